@@ -1,0 +1,310 @@
+// bench/bench_common.hpp — shared by every kvattn benchmark program.
+//
+// kvattn's figures are judged against this machine's limits measured in the same run
+// (DESIGN.md, "How performance is judged"): absolute times on a shared machine are noise, a
+// fraction of the limit is not. KVATTN_BENCHMARK_MAIN() therefore adds, to every program:
+//
+//   machine/read_bandwidth/real_time/threads:N   bytes_per_second
+//     Streaming reads of a buffer far larger than the last-level cache (max(1 GiB, 4 x LLC),
+//     at most a quarter of physical memory); each thread reads its own 1/N slice with vector
+//     loads and adds. The ceiling of a memory-bound kernel such as decode attention, which reads
+//     the whole KV cache once per step.
+//   machine/fma_peak_f32/real_time/threads:N     FLOP/s
+//     Independent fp32 fused multiply-add chains (enough to cover FMA latency x throughput),
+//     in the widest vectors this translation unit targets (isa::native). The ceiling of a
+//     compute-bound kernel such as prefill or MLA's folded decode. One FMA = 2 FLOP.
+//
+// N is 1, 2 and, where there are more cores, all of them. Both use wall time (UseRealTime), and
+// Google Benchmark sums the threads' work, so the figure for N threads is the aggregate rate.
+// Google Benchmark prints bytes_per_second in binary units (G/s = GiB/s) and FLOP/s in decimal
+// ones (G/s = 1e9 FLOP/s); the JSON output (--benchmark_format=json) holds exact numbers.
+// They run after the program's own benchmarks. A --benchmark_filter that does not match
+// "machine/" (or --benchmark_filter=-machine/) leaves them out and allocates no buffer.
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <kvattn/config.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <utility>
+
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+#if KVATTN_HAS_AVX512 || KVATTN_HAS_AVX2
+#include <immintrin.h>
+#elif KVATTN_HAS_NEON
+#include <arm_neon.h>
+#endif
+
+namespace kvattn::bench {
+KVATTN_BEGIN_TARGET_NAMESPACE
+
+/// Bytes of the largest cache this machine reports (Linux: sysconf, then sysfs), or 32 MiB
+/// when it reports none.
+inline std::size_t llc_bytes() {
+#if defined(_SC_LEVEL3_CACHE_SIZE)
+  if (const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE); l3 > 0) return static_cast<std::size_t>(l3);
+#endif
+  std::size_t best = 0;  // sysfs lists every level as "48K", "2048K", "260M"...
+  for (int index = 0; index < 8; ++index) {
+    std::ifstream in("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/size");
+    std::size_t size = 0;
+    char unit = 0;
+    if (!(in >> size)) continue;
+    in >> unit;
+    size <<= unit == 'K' ? 10 : unit == 'M' ? 20 : unit == 'G' ? 30 : 0;
+    best = std::max(best, size);
+  }
+  return best > 0 ? best : std::size_t{32} << 20;
+}
+
+/// Bytes of the bandwidth buffer: max(1 GiB, 4 x llc_bytes()), at most a quarter of physical
+/// memory where that is known, rounded down to 2 MiB (one huge page).
+inline std::size_t read_buffer_bytes() {
+  constexpr std::size_t huge_page = std::size_t{2} << 20;
+  std::size_t bytes = std::max(std::size_t{1} << 30, 4 * llc_bytes());
+#if defined(_SC_PHYS_PAGES) && defined(_SC_PAGESIZE)
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages > 0 && page > 0)
+    bytes = std::min(bytes, static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) / 4);
+#endif
+  return std::max(huge_page, bytes / huge_page * huge_page);
+}
+
+/// Sets bytes_per_second from the bytes *this thread* reads or writes per iteration. Call once,
+/// after the benchmark loop; with Threads(N), each thread reports its own share.
+inline void report_bytes(benchmark::State& state, std::int64_t bytes_per_iteration) {
+  state.SetBytesProcessed(state.iterations() * bytes_per_iteration);
+}
+
+/// Sets the "FLOP/s" counter from the floating-point operations *this thread* does per
+/// iteration (a multiply-add counts 2). Call once, after the benchmark loop.
+inline void report_flops(benchmark::State& state, double flops_per_iteration) {
+  const double flops = static_cast<double>(state.iterations()) * flops_per_iteration;
+  state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsRate);
+}
+
+namespace detail {
+
+// The vector operations the two limits need, for the widest set this translation unit targets.
+// f32::fma(acc, a, b) = acc + a * b, with the accumulator as the addend, which every ISA's FMA
+// overwrites in place (vfmadd231ps, fmla). u64 adds whole vectors of 64-bit integers.
+#if KVATTN_HAS_AVX512
+struct f32 {
+  using V = __m512;
+  static constexpr int lanes = 16, chains = 16;  // 2 FMA ports x 4 cycles latency = 8 needed
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V acc, V a, V b) { return _mm512_fmadd_ps(a, b, acc); }
+  static V add(V x, V y) { return _mm512_add_ps(x, y); }
+};
+struct u64 {
+  using V = __m512i;
+  static V zero() { return _mm512_setzero_si512(); }
+  static V load(const std::byte* p) { return _mm512_load_si512(static_cast<const void*>(p)); }
+  static V add(V x, V y) { return _mm512_add_epi64(x, y); }
+};
+#elif KVATTN_HAS_AVX2
+struct f32 {
+  using V = __m256;
+  static constexpr int lanes = 8, chains = 12;  // 16 ymm registers: 12 chains + 2 constants
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V acc, V a, V b) { return _mm256_fmadd_ps(a, b, acc); }
+  static V add(V x, V y) { return _mm256_add_ps(x, y); }
+};
+struct u64 {
+  using V = __m256i;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V load(const std::byte* p) {
+    return _mm256_load_si256(reinterpret_cast<const __m256i*>(p));
+  }
+  static V add(V x, V y) { return _mm256_add_epi64(x, y); }
+};
+#elif KVATTN_HAS_NEON
+struct f32 {
+  using V = float32x4_t;
+  static constexpr int lanes = 4, chains = 16;  // up to 4 FMA pipes x 4 cycles latency
+  static V set1(float x) { return vdupq_n_f32(x); }
+  static V fma(V acc, V a, V b) { return vfmaq_f32(acc, a, b); }
+  static V add(V x, V y) { return vaddq_f32(x, y); }
+};
+struct u64 {
+  using V = uint64x2_t;
+  static V zero() { return vdupq_n_u64(0); }
+  static V load(const std::byte* p) {
+    return vld1q_u64(reinterpret_cast<const std::uint64_t*>(p));
+  }
+  static V add(V x, V y) { return vaddq_u64(x, y); }
+};
+#else
+struct f32 {
+  using V = float;
+  static constexpr int lanes = 1, chains = 12;
+  static V set1(float x) { return x; }
+#if defined(FP_FAST_FMAF)
+  static V fma(V acc, V a, V b) { return std::fma(a, b, acc); }
+#else
+  // No FMA instruction: std::fma would be a library call, and acc + a * b would let the compiler
+  // hoist a * b out of the loop. acc * a + b keeps both operations on the chain.
+  static V fma(V acc, V a, V b) { return acc * a + b; }
+#endif
+  static V add(V x, V y) { return x + y; }
+};
+struct u64 {
+  using V = std::uint64_t;
+  static V zero() { return 0; }
+  static V load(const std::byte* p) {
+    V v;
+    std::memcpy(&v, p, sizeof v);
+    return v;
+  }
+  static V add(V x, V y) { return x + y; }
+};
+#endif
+
+/// The first lane of v, so that a result can be handed to benchmark::DoNotOptimize as a scalar.
+template <class Scalar, class V>
+Scalar first_lane(const V& v) {
+  Scalar s;
+  std::memcpy(&s, &v, sizeof s);
+  return s;
+}
+
+/// Sum of the 64-bit words in [begin, end): one pass of streaming reads. Both ends are aligned
+/// to, and the length is a multiple of, 4 * sizeof(u64::V) (at most 256 bytes).
+inline std::uint64_t read_pass(const std::byte* begin, const std::byte* end) noexcept {
+  constexpr std::size_t w = sizeof(u64::V);
+  u64::V a0 = u64::zero(), a1 = a0, a2 = a0, a3 = a0;
+  for (const std::byte* p = begin; p != end; p += 4 * w) {
+    a0 = u64::add(a0, u64::load(p));
+    a1 = u64::add(a1, u64::load(p + w));
+    a2 = u64::add(a2, u64::load(p + 2 * w));
+    a3 = u64::add(a3, u64::load(p + 3 * w));
+  }
+  const u64::V sum = u64::add(u64::add(a0, a1), u64::add(a2, a3));
+  return first_lane<std::uint64_t>(sum);
+}
+
+/// Runs `steps` rounds of acc[i] = acc[i] + a * b on every chain; independent chains let the
+/// FMA units start one every cycle on each port.
+template <std::size_t... I>
+KVATTN_ALWAYS_INLINE void fma_rounds(f32::V (&acc)[sizeof...(I)], f32::V a, f32::V b, int steps,
+                                     std::index_sequence<I...>) noexcept {
+  for (int s = 0; s < steps; ++s) ((acc[I] = f32::fma(acc[I], a, b)), ...);
+}
+
+struct aligned_free {
+  void operator()(std::byte* p) const noexcept {
+    ::operator delete(p, std::align_val_t{std::size_t{2} << 20});
+  }
+};
+
+/// The bandwidth buffer, [read_buffer_bytes()] bytes aligned to 2 MiB: allocated and written
+/// once, on first use (not at registration, so a filtered run does not pay for it), kept for the
+/// rest of the program. Throws std::bad_alloc.
+inline const std::byte* read_buffer() {
+  static const std::unique_ptr<std::byte, aligned_free> buffer = [] {
+    const std::size_t bytes = read_buffer_bytes();
+    std::unique_ptr<std::byte, aligned_free> p(
+        static_cast<std::byte*>(::operator new(bytes, std::align_val_t{std::size_t{2} << 20})));
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    madvise(p.get(), bytes, MADV_HUGEPAGE);  // fewer TLB misses; a hint, failure is harmless
+#endif
+    std::memset(p.get(), 0x5a, bytes);  // real pages, not the shared zero page
+    return p;
+  }();
+  return buffer.get();
+}
+
+/// machine/read_bandwidth: each thread sums its own slice of the buffer once per iteration.
+inline void bm_read_bandwidth(benchmark::State& state) {
+  const std::size_t total = read_buffer_bytes();
+  const std::byte* buffer = nullptr;
+  try {
+    buffer = read_buffer();
+  } catch (const std::bad_alloc&) {
+    state.SkipWithError(("cannot allocate " + std::to_string(total >> 20) + " MiB").c_str());
+  }
+  const std::size_t threads = static_cast<std::size_t>(state.threads());
+  const std::size_t slice = total / threads / 256 * 256;
+  const std::size_t offset = static_cast<std::size_t>(state.thread_index()) * slice;
+  const std::byte* begin = buffer ? buffer + offset : nullptr;
+  for (auto _ : state) {  // runs no iteration after SkipWithError
+    std::uint64_t sum = read_pass(begin, begin + slice);
+    benchmark::DoNotOptimize(sum);
+    benchmark::ClobberMemory();  // the buffer must be read again on the next iteration
+  }
+  report_bytes(state, static_cast<std::int64_t>(slice));
+  state.SetLabel(std::string(isa::native::name) + ", " + std::to_string(total >> 20) +
+                 " MiB, LLC " + std::to_string(llc_bytes() >> 20) + " MiB");
+}
+
+/// machine/fma_peak_f32: f32::chains independent FMA chains, 256 rounds per iteration.
+inline void bm_fma_peak_f32(benchmark::State& state) {
+  constexpr int chains = f32::chains, rounds = 256;
+  // acc stays within [2^-12, 2]: no overflow, no subnormals. a and b are hidden from the
+  // compiler, so that it has nothing to fold.
+  float a_scalar = 0x1p-12f, b_scalar = 0x1p-12f;
+  benchmark::DoNotOptimize(a_scalar);
+  benchmark::DoNotOptimize(b_scalar);
+  const f32::V a = f32::set1(a_scalar), b = f32::set1(b_scalar);
+  f32::V acc[chains];
+  for (int i = 0; i < chains; ++i) acc[i] = f32::set1(1.0f + static_cast<float>(i) / 64);
+  for (auto _ : state) fma_rounds(acc, a, b, rounds, std::make_index_sequence<chains>{});
+  f32::V sum = acc[0];
+  for (int i = 1; i < chains; ++i) sum = f32::add(sum, acc[i]);
+  float result = first_lane<float>(sum);
+  benchmark::DoNotOptimize(result);
+  report_flops(state, 2.0 * f32::lanes * chains * rounds);
+  state.SetLabel(std::string(isa::native::name) + ", " + std::to_string(chains) + " chains");
+}
+
+}  // namespace detail
+
+/// Registers the machine/ benchmarks in this program, after those registered so far (so they
+/// run last). Idempotent. KVATTN_BENCHMARK_MAIN() calls it.
+inline void register_machine_limits() {
+  static const bool registered = [] {
+    const int cores = static_cast<int>(std::thread::hardware_concurrency());
+    auto* read = benchmark::RegisterBenchmark("machine/read_bandwidth", detail::bm_read_bandwidth);
+    auto* fma = benchmark::RegisterBenchmark("machine/fma_peak_f32", detail::bm_fma_peak_f32);
+    read->Unit(benchmark::kMillisecond);
+    fma->Unit(benchmark::kMicrosecond);
+    for (auto* b : {read, fma}) {
+      b->Threads(1)->Threads(2)->UseRealTime();
+      if (cores > 2) b->Threads(cores);
+    }
+    return true;
+  }();
+  (void)registered;
+}
+
+/// The body of main() for a kvattn benchmark program: the program's own benchmarks plus the
+/// machine limits, in one run. Returns the process's exit status.
+inline int benchmark_main(int argc, char** argv) {
+  register_machine_limits();
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
+
+KVATTN_END_TARGET_NAMESPACE
+}  // namespace kvattn::bench
+
+/// Use in place of BENCHMARK_MAIN() in every kvattn benchmark program.
+#define KVATTN_BENCHMARK_MAIN() \
+  int main(int argc, char** argv) { return ::kvattn::bench::benchmark_main(argc, argv); }

@@ -1,0 +1,347 @@
+// kv_budget — how many bytes will my KV cache hold, and how many tokens fit?
+//
+//   kv_budget --preset deepseek-v2 --context 131072 --compare
+//   kv_budget --layers 32 --q-heads 32 --kv-heads 8 --head-dim 128 --bits 8 --json
+//   kv_budget --preset llama-3.1-70b --memory 80GiB --weights 141GB --tp 4
+//
+// Every figure comes from kvattn/budget.hpp; this file only reads flags and prints.
+#include <kvattn/budget.hpp>
+
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: kv_budget MODEL [options]
+
+MODEL is one of:
+  --preset NAME                  a published model (see --list-presets)
+  --layers L --q-heads H --kv-heads G --head-dim D
+                                 an MHA / GQA / MQA model
+  --layers L --q-heads H --latent C --rope-dim R [--head-dim D]
+                                 an MLA model (D: per-head width used by --compare, default 128)
+
+options:
+  --context T     tokens per sequence (default 4096)
+  --batch B       sequences (default 1)
+  --bits N        bits per cached element, fractions allowed (default 16)
+  --compare       the same model as MHA, GQA, MQA and MLA side by side, where the shape allows
+  --json          machine-readable: a JSON array, one object per row, exact integer byte counts
+  --memory SIZE   memory of one device (e.g. 80GiB, 141GB, 1073741824): plan capacity
+  --weights SIZE  model weights sharing that memory, whole model (default 0)
+  --tp N          tensor-parallel ranks (default 1)
+  --page-size P   tokens per cache page, for the capacity plan (default 16)
+  --list-presets  print the presets and exit
+  --help          print this and exit
+)";
+
+struct BadInput {
+  std::string message;
+};
+
+[[noreturn]] void fail(const std::string& message) { throw BadInput{message}; }
+
+std::uint64_t parse_count(std::string_view flag, std::string_view text) {
+  std::uint64_t v = 0;
+  if (text.empty()) fail(std::string(flag) + " needs a number");
+  for (char c : text) {
+    if (c < '0' || c > '9' || v > (UINT64_MAX - 9) / 10)
+      fail(std::string(flag) + " '" + std::string(text) + "': expected a non-negative integer");
+    v = v * 10 + static_cast<std::uint64_t>(c - '0');
+  }
+  return v;
+}
+
+int parse_int(std::string_view flag, std::string_view text) {
+  const std::uint64_t v = parse_count(flag, text);
+  if (v == 0 || v > 1'000'000) fail(std::string(flag) + " '" + std::string(text) + "': expected an integer from 1 to 1000000");
+  return static_cast<int>(v);
+}
+
+/// "80GiB", "141GB", "512MiB", "1073741824": bytes.
+std::uint64_t parse_size(std::string_view flag, std::string_view text) {
+  std::size_t digits = 0;
+  while (digits < text.size() && ((text[digits] >= '0' && text[digits] <= '9') || text[digits] == '.')) ++digits;
+  const std::string_view number = text.substr(0, digits), unit = text.substr(digits);
+  struct Unit {
+    std::string_view name;
+    std::uint64_t bytes;
+  };
+  constexpr Unit units[] = {{"", 1},         {"B", 1},
+                            {"KiB", 1ull << 10}, {"MiB", 1ull << 20}, {"GiB", 1ull << 30}, {"TiB", 1ull << 40},
+                            {"KB", 1000ull},     {"MB", 1000'000ull}, {"GB", 1000'000'000ull}, {"TB", 1000'000'000'000ull}};
+  for (const Unit& u : units) {
+    if (u.name != unit) continue;
+    // Exact decimal arithmetic: value = mantissa / 10^decimals bytes-units.
+    std::uint64_t mantissa = 0, scale = 1;
+    bool point = false;
+    for (char c : number) {
+      if (c == '.') {
+        if (point) fail(std::string(flag) + " '" + std::string(text) + "': not a size");
+        point = true;
+        continue;
+      }
+      mantissa = mantissa * 10 + static_cast<std::uint64_t>(c - '0');
+      if (point) scale *= 10;
+      if (mantissa > (1ull << 50) || scale > 1'000'000) fail(std::string(flag) + " '" + std::string(text) + "': too large");
+    }
+    if (number.empty() || number == ".") break;
+    return kvattn::detail::checked_mul(mantissa, u.bytes) / scale;
+  }
+  fail(std::string(flag) + " '" + std::string(text) + "': expected a size such as 80GiB, 141GB or 1073741824");
+}
+
+std::string with_commas(std::uint64_t v) {
+  std::string s = std::to_string(v);
+  for (int i = static_cast<int>(s.size()) - 3; i > 0; i -= 3) s.insert(static_cast<std::size_t>(i), ",");
+  return s;
+}
+
+/// "2,147,483,648 B (2.00 GiB)"
+std::string bytes_text(std::uint64_t bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 6) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[64];
+  std::snprintf(buf, sizeof buf, " (%.2f %s)", v, units[u]);
+  return with_commas(bytes) + " B" + (u == 0 ? "" : buf);
+}
+
+std::string layout_text(const kvattn::Model& m) {
+  using kvattn::detail::concat;
+  if (m.is_mla()) return concat("latent ", m.mla().latent_dim, " + rope ", m.mla().rope_dim);
+  const kvattn::GqaShape& g = m.gqa();
+  return concat(g.kv_heads, " KV head", g.kv_heads == 1 ? "" : "s", " x ", g.head_dim);
+}
+
+struct Options {
+  std::optional<kvattn::Model> model;
+  kvattn::Workload workload;
+  bool compare = false, json = false;
+  std::optional<kvattn::CapacityRequest> capacity;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  std::optional<int> layers, q_heads, kv_heads, head_dim, latent, rope_dim;
+  std::string preset;
+  kvattn::CapacityRequest cap;
+  cap.page_size = 16;
+  bool planning = false, capacity_flag = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    const auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) fail(std::string(flag) + " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (flag == "--list-presets") {
+      for (const kvattn::ModelPreset& p : kvattn::presets::all)
+        std::printf("%-18s %s, %d layers, %d query heads, %s   (%.*s)\n", std::string(p.model.name).c_str(),
+                    std::string(kvattn::to_string(p.model.design())).c_str(), p.model.layers, p.model.q_heads(),
+                    layout_text(p.model).c_str(), static_cast<int>(p.source.size()), p.source.data());
+      std::exit(0);
+    } else if (flag == "--preset") {
+      preset = value();
+    } else if (flag == "--layers") {
+      layers = parse_int(flag, value());
+    } else if (flag == "--q-heads") {
+      q_heads = parse_int(flag, value());
+    } else if (flag == "--kv-heads") {
+      kv_heads = parse_int(flag, value());
+    } else if (flag == "--head-dim") {
+      head_dim = parse_int(flag, value());
+    } else if (flag == "--latent") {
+      latent = parse_int(flag, value());
+    } else if (flag == "--rope-dim") {
+      rope_dim = parse_int(flag, value());
+    } else if (flag == "--context") {
+      o.workload.context = parse_count(flag, value());
+    } else if (flag == "--batch") {
+      o.workload.batch = parse_count(flag, value());
+    } else if (flag == "--bits") {
+      o.workload.bits = kvattn::ElementBits::parse(value());
+    } else if (flag == "--compare") {
+      o.compare = true;
+    } else if (flag == "--json") {
+      o.json = true;
+    } else if (flag == "--memory") {
+      cap.device_bytes = parse_size(flag, value());
+      planning = true;
+    } else if (flag == "--weights") {
+      cap.weight_bytes = parse_size(flag, value());
+      capacity_flag = true;
+    } else if (flag == "--tp") {
+      cap.tensor_parallel = parse_int(flag, value());
+      capacity_flag = true;
+    } else if (flag == "--page-size") {
+      cap.page_size = parse_int(flag, value());
+      capacity_flag = true;
+    } else {
+      fail("unknown flag '" + std::string(flag) + "'");
+    }
+  }
+
+  const bool custom = layers || q_heads || kv_heads || head_dim || latent || rope_dim;
+  if (!preset.empty() && custom) fail("--preset and a custom shape (--layers, --q-heads, ...) exclude each other");
+  if (!preset.empty()) {
+    const kvattn::ModelPreset* p = kvattn::presets::find(preset);
+    if (!p) fail("no preset called '" + preset + "' (see --list-presets)");
+    o.model = p->model;
+  } else if (custom) {
+    if (!layers || !q_heads) fail("a custom shape needs --layers and --q-heads");
+    if (kv_heads && (latent || rope_dim)) fail("--kv-heads (MHA/GQA/MQA) and --latent/--rope-dim (MLA) exclude each other");
+    if (latent || rope_dim) {
+      if (!latent || !rope_dim) fail("an MLA shape needs both --latent and --rope-dim");
+      const int d = head_dim.value_or(128);
+      o.model = kvattn::Model{"custom", *layers, kvattn::MlaShape{*q_heads, *latent, *rope_dim, d, d, 0}};
+    } else {
+      if (!kv_heads || !head_dim) fail("an MHA/GQA/MQA shape needs --kv-heads and --head-dim");
+      o.model = kvattn::Model{"custom", *layers, kvattn::GqaShape::gqa(*q_heads, *kv_heads, *head_dim)};
+    }
+  } else {
+    fail("no model: give --preset NAME or a custom shape");
+  }
+  if (std::string why = o.model->check(); !why.empty()) fail(why);
+  if (capacity_flag && !planning) fail("--weights, --tp and --page-size plan capacity and need --memory");
+  if (planning) {
+    cap.context = o.workload.context;
+    cap.bits = o.workload.bits;
+    o.capacity = cap;
+  }
+  return o;
+}
+
+struct Row {
+  kvattn::Model model;
+  kvattn::Footprint footprint;
+  std::optional<kvattn::CapacityPlan> plan;
+  std::string plan_error;
+  bool own = false;
+};
+
+void print_json(const Options& o, const std::vector<Row>& rows) {
+  std::printf("[\n");
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    const kvattn::Model& m = r.model;
+    const kvattn::Footprint& f = r.footprint;
+    std::printf("  {\"model\": \"%s\", \"design\": \"%s\", \"own_design\": %s, \"layers\": %d, \"q_heads\": %d",
+                std::string(m.name).c_str(), std::string(kvattn::to_string(m.design())).c_str(),
+                r.own ? "true" : "false", m.layers, m.q_heads());
+    if (m.is_mla())
+      std::printf(", \"latent_dim\": %d, \"rope_dim\": %d", m.mla().latent_dim, m.mla().rope_dim);
+    else
+      std::printf(", \"kv_heads\": %d, \"head_dim\": %d", m.gqa().kv_heads, m.gqa().head_dim);
+    std::printf(", \"bits\": %s, \"context\": %" PRIu64 ", \"batch\": %" PRIu64, o.workload.bits.to_string().c_str(),
+                o.workload.context, o.workload.batch);
+    std::printf(", \"elements_per_token_layer\": %" PRIu64 ", \"elements_per_token\": %" PRIu64
+                ", \"bytes_per_token_layer\": %" PRIu64 ", \"bytes_per_token\": %" PRIu64
+                ", \"bytes_per_sequence\": %" PRIu64 ", \"bytes_per_batch\": %" PRIu64,
+                f.elements_per_token_layer, f.elements_per_token, f.bytes_per_token_layer, f.bytes_per_token,
+                f.bytes_per_sequence, f.bytes_per_batch);
+    if (r.plan) {
+      const kvattn::CapacityPlan& p = *r.plan;
+      std::printf(", \"tensor_parallel\": %d, \"kv_heads_per_rank\": %d, \"replication\": %d"
+                  ", \"cache_bytes_per_rank\": %" PRIu64 ", \"bytes_per_token_per_rank\": %" PRIu64
+                  ", \"bytes_per_token_all_ranks\": %" PRIu64 ", \"page_size\": %d, \"tokens_fit\": %" PRIu64
+                  ", \"sequences_fit\": %" PRIu64,
+                  p.layout.ranks, p.layout.kv_heads_per_rank, p.layout.replication, p.cache_bytes_per_rank,
+                  p.bytes_per_token_per_rank, p.bytes_per_token_all_ranks, o.capacity->page_size, p.tokens,
+                  p.sequences);
+    } else if (!r.plan_error.empty()) {
+      std::printf(", \"capacity_error\": \"%s\"", r.plan_error.c_str());
+    }
+    std::printf("}%s\n", i + 1 < rows.size() ? "," : "");
+  }
+  std::printf("]\n");
+}
+
+void print_table(const Options& o, const std::vector<Row>& rows) {
+  const kvattn::Model& own = rows.front().own ? rows.front().model : *o.model;
+  std::printf("%s: %s, %d layers, %d query heads, %s; %s tokens x %s sequence%s, %s bits per element\n\n",
+              std::string(own.name).c_str(), std::string(kvattn::to_string(o.model->design())).c_str(),
+              own.layers, own.q_heads(), layout_text(*o.model).c_str(), with_commas(o.workload.context).c_str(),
+              with_commas(o.workload.batch).c_str(), o.workload.batch == 1 ? "" : "s",
+              o.workload.bits.to_string().c_str());
+  std::uint64_t own_bytes = 0;
+  for (const Row& r : rows)
+    if (r.own) own_bytes = r.footprint.bytes_per_token;
+  std::printf("%-6s %-20s %12s  %-24s %-26s %-32s %-32s%s\n", "design", "cached per layer", "elem/tok/lay",
+              "per token per layer", "per token", "per sequence", "per batch", rows.size() > 1 ? " vs own" : "");
+  for (const Row& r : rows) {
+    const kvattn::Footprint& f = r.footprint;
+    char ratio[32] = "";
+    if (rows.size() > 1 && own_bytes) std::snprintf(ratio, sizeof ratio, " %7.2fx", static_cast<double>(f.bytes_per_token) / own_bytes);
+    std::printf("%-6s %-20s %12s  %-24s %-26s %-32s %-32s%s%s\n",
+                std::string(kvattn::to_string(r.model.design())).c_str(), layout_text(r.model).c_str(),
+                with_commas(f.elements_per_token_layer).c_str(), bytes_text(f.bytes_per_token_layer).c_str(),
+                bytes_text(f.bytes_per_token).c_str(), bytes_text(f.bytes_per_sequence).c_str(),
+                bytes_text(f.bytes_per_batch).c_str(), ratio, r.own ? "  (own)" : "");
+  }
+  if (!o.capacity) return;
+  const kvattn::CapacityRequest& c = *o.capacity;
+  std::printf("\ncapacity: %s per device, %s of weights over %d rank%s, pages of %d token%s\n",
+              bytes_text(c.device_bytes).c_str(), bytes_text(c.weight_bytes).c_str(), c.tensor_parallel,
+              c.tensor_parallel == 1 ? "" : "s", c.page_size, c.page_size == 1 ? "" : "s");
+  for (const Row& r : rows) {
+    const char* design = kvattn::to_string(r.model.design()).data();
+    if (!r.plan) {
+      std::printf("%-6s %s\n", design, r.plan_error.c_str());
+      continue;
+    }
+    const kvattn::CapacityPlan& p = *r.plan;
+    const std::string held = r.model.is_mla()
+        ? kvattn::detail::concat("the latent and rotary key held by each of ", p.layout.replication, " rank",
+                                 p.layout.replication == 1 ? "" : "s")
+        : kvattn::detail::concat(p.layout.kv_heads_per_rank, " KV head", p.layout.kv_heads_per_rank == 1 ? "" : "s",
+                                 " per rank, each held by ", p.layout.replication, " rank",
+                                 p.layout.replication == 1 ? "" : "s");
+    std::printf("%-6s %s; %s per token per rank; %s tokens fit, %s sequences of %s\n", design, held.c_str(),
+                bytes_text(p.bytes_per_token_per_rank).c_str(),
+                with_commas(p.tokens).c_str(), with_commas(p.sequences).c_str(), with_commas(c.context).c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const Options o = parse(argc, argv);
+    std::vector<kvattn::Model> models = o.compare ? kvattn::compare_designs(*o.model) : std::vector<kvattn::Model>{*o.model};
+    std::vector<Row> rows;
+    for (const kvattn::Model& m : models) {
+      Row r{m, kvattn::footprint(m, o.workload), std::nullopt, {}, m.design() == o.model->design()};
+      if (o.capacity) {
+        try {
+          r.plan = kvattn::plan_capacity(m, *o.capacity);
+        } catch (const std::exception& e) {  // one design may not split across the ranks; the others still print
+          r.plan_error = e.what();
+        }
+      }
+      rows.push_back(r);
+    }
+    if (o.json)
+      print_json(o, rows);
+    else
+      print_table(o, rows);
+    return 0;
+  } catch (const BadInput& e) {
+    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.message.c_str(), kUsage);
+  } catch (const kvattn::invalid_argument& e) {
+    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.what(), kUsage);
+  }
+  return 2;
+}

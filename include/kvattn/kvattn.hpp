@@ -1,0 +1,9 @@
+// kvattn/kvattn.hpp — the whole library. Include this one header.
+#pragma once
+
+#include "config.hpp"
+#include "error.hpp"
+#include "shape.hpp"
+#include "model.hpp"
+#include "budget.hpp"
+#include "storage.hpp"
