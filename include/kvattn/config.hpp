@@ -121,4 +121,13 @@ using native = scalar;
 #endif
 }  // namespace isa
 
+KVATTN_BEGIN_TARGET_NAMESPACE
+/// A type of this translation unit's own target. Member function templates of shared classes
+/// (PagedKvCache, say) that run SIMD code take it as a defaulted template argument, so that
+/// their symbols, too, differ between translation units built for different targets.
+struct this_target {
+  using isa = kvattn::isa::native;
+};
+KVATTN_END_TARGET_NAMESPACE
+
 }  // namespace kvattn

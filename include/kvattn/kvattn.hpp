@@ -7,3 +7,5 @@
 #include "model.hpp"
 #include "budget.hpp"
 #include "storage.hpp"
+#include "memory.hpp"
+#include "paged_cache.hpp"

@@ -1,0 +1,598 @@
+// kvattn/paged_cache.hpp — the paged KV cache: one container for every attention design.
+//
+// Memory is handed out in pages of page_size tokens. A sequence owns a list of page ids (its
+// page table); a page id is shared by every layer, so one allocation per block of tokens serves
+// the whole model, and a layer's storage for a page is found by (layer, page id). Pages are
+// reference-counted: fork() gives a child every page of its parent, and the first write into a
+// shared page copies that page, in every layer, for the writer (copy-on-write).
+//
+// Storage, one element type T (fp32, fp16, bf16), in the memory space M:
+//   pool   [layers][num_pages][page_stride]        layer_stride = num_pages · page_stride
+// and within one page of one layer (PageLayout):
+//   GQA family  [2 (K, V)][kv_heads][head_stride]  a head block holds [page_size][head_dim]
+//   MLA         [page_size][row_stride]            a row holds [latent_dim | rope_dim]
+// Why: a decode kernel works on one (sequence, KV head) at a time and streams that head's keys,
+// then its values, page after page; with one KV head's tokens contiguous each page gives it two
+// unbroken runs of page_size · head_dim elements, and each head block starts on a cache line
+// (head_stride is padded to 64 bytes). MLA scores every head against the same latent rows, so a
+// token's latent and rotary key sit together in one row, and the values are a view of the
+// latent (the first latent_dim elements of each row). Every page starts on a cache line.
+// Narrower formats with per-page or per-token scales will add a scale block to PageLayout, so
+// kernels find the scales through the same view; callers never pass them separately.
+//
+// Kernels see the cache through PagedKvView: the layer's pool pointer, the layout, and a batch's
+// page table as plain CSR arrays (indptr, indices, tokens in the last page), identical for CPU
+// and CUDA kernels.
+//
+// Every mutation is all-or-nothing: a request that cannot be met (pool exhausted, unknown or
+// removed sequence, truncation past the end, a size of zero or less, a layer out of range)
+// throws before anything changes (kvattn::invalid_argument or kvattn::capacity_error, with the
+// values in the message), and the cache is exactly as it was.
+//
+// Thread safety: mutations (add_sequence, append, fork, truncate, remove, write*) from one
+// thread at a time; any number of threads may read (read*, views, page tables, stats) and run
+// kernels concurrently while no mutation runs. Slots, views and page tables describe the cache
+// as it was when they were taken: any mutation may move a sequence's pages (copy-on-write).
+//
+// One cache may be shared by translation units built for different instruction sets: the
+// members that run SIMD code (write*, read*) carry the caller's target in their symbols
+// (this_target, config.hpp); the bookkeeping members are plain scalar code.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "error.hpp"
+#include "memory.hpp"
+#include "model.hpp"
+#include "shape.hpp"
+#include "storage.hpp"
+
+namespace kvattn {
+
+using SeqId = std::int64_t;
+using PageId = std::int32_t;
+
+/// What a page holds: keys and values per KV head, or MLA's latent and rotary key per token.
+enum class PageContent { gqa, mla };
+
+/// Where one token's entries are: a page and the token's index within it.
+struct Slot {
+  PageId page = 0;
+  std::int32_t offset = 0;
+  friend constexpr bool operator==(Slot a, Slot b) noexcept { return a.page == b.page && a.offset == b.offset; }
+  friend constexpr bool operator!=(Slot a, Slot b) noexcept { return !(a == b); }
+};
+
+/// Element offsets within one page of one layer. The same for every page and layer.
+struct PageLayout {
+  PageContent content = PageContent::gqa;
+  int page_size = 0;               ///< tokens per page
+  int kv_heads = 0, head_dim = 0;  ///< GQA family
+  std::int64_t head_stride = 0;    ///< GQA: elements from one head block to the next
+  int latent_dim = 0, rope_dim = 0;  ///< MLA
+  std::int64_t row_stride = 0;       ///< MLA: elements from one token's row to the next
+  std::int64_t page_stride = 0;      ///< elements from one page to the next (64-byte multiple)
+
+  /// The layout for `shape` with pages of `page_size` tokens of elements of `element_bytes`.
+  static PageLayout make(const AttentionShape& shape, int page_size, std::size_t element_bytes) {
+    const auto pad = [&](std::int64_t elements) {  // round up to whole cache lines
+      const auto per_line = static_cast<std::int64_t>(kAlignment / element_bytes);
+      return (elements + per_line - 1) / per_line * per_line;
+    };
+    PageLayout l;
+    l.page_size = page_size;
+    if (const auto* g = std::get_if<GqaShape>(&shape)) {
+      l.content = PageContent::gqa;
+      l.kv_heads = g->kv_heads;
+      l.head_dim = g->head_dim;
+      l.head_stride = pad(std::int64_t{page_size} * g->head_dim);
+      l.page_stride = 2 * l.kv_heads * l.head_stride;
+    } else {
+      const MlaShape& m = std::get<MlaShape>(shape);
+      l.content = PageContent::mla;
+      l.latent_dim = m.latent_dim;
+      l.rope_dim = m.rope_dim;
+      l.row_stride = m.latent_dim + m.rope_dim;
+      l.page_stride = pad(std::int64_t{page_size} * l.row_stride);
+    }
+    return l;
+  }
+
+  /// GQA: first element of token `token`'s key (value) for KV head `head`: [head_dim].
+  constexpr std::int64_t key(int head, int token) const noexcept { return head * head_stride + std::int64_t{token} * head_dim; }
+  constexpr std::int64_t value(int head, int token) const noexcept {
+    return (kv_heads + head) * head_stride + std::int64_t{token} * head_dim;
+  }
+  /// MLA: first element of token `token`'s latent [latent_dim] and rotary key [rope_dim].
+  constexpr std::int64_t latent(int token) const noexcept { return std::int64_t{token} * row_stride; }
+  constexpr std::int64_t rope(int token) const noexcept { return std::int64_t{token} * row_stride + latent_dim; }
+  /// Elements one token holds in one layer, padding excluded.
+  constexpr std::int64_t token_elements() const noexcept {
+    return content == PageContent::gqa ? 2 * std::int64_t{kv_heads} * head_dim : std::int64_t{latent_dim} + rope_dim;
+  }
+};
+
+/// The size of a cache: layers, head layout, page size and how many pages the pool holds.
+struct CacheConfig {
+  int layers = 0;
+  int page_size = 0;           ///< tokens per page, >= 1
+  std::int64_t num_pages = 0;  ///< pages in the pool, >= 1
+  AttentionShape shape;
+
+  static CacheConfig for_model(const Model& model, int page_size, std::int64_t num_pages) {
+    return CacheConfig{model.layers, page_size, num_pages, model.attention};
+  }
+
+  std::string check() const {
+    std::string why = std::visit([](const auto& s) { return s.check(); }, shape);
+    if (!why.empty()) return why;
+    if (layers <= 0) return detail::concat("layers=", layers, ": must be positive");
+    if (page_size <= 0) return detail::concat("page_size=", page_size, ": must be positive");
+    if (num_pages <= 0 || num_pages > std::numeric_limits<PageId>::max())
+      return detail::concat("num_pages=", num_pages, ": must be from 1 to ", std::numeric_limits<PageId>::max());
+    return {};
+  }
+};
+
+/// A batch's page tables in CSR form, the format every kernel reads.
+struct BatchPageTable {
+  std::vector<std::int32_t> indptr;         ///< [batch + 1] sequence b's pages are indices[indptr[b], indptr[b+1])
+  std::vector<std::int32_t> indices;        ///< [indptr[batch]] page ids
+  std::vector<std::int32_t> last_page_len;  ///< [batch] tokens in each sequence's last page (0 if empty)
+
+  int batch() const noexcept { return indptr.empty() ? 0 : static_cast<int>(indptr.size()) - 1; }
+};
+
+/// What a kernel needs to read one layer of a batch: pointers and integers only.
+template <class T> struct PagedKvView {
+  const T* pool = nullptr;                      ///< this layer: [num_pages][layout.page_stride]
+  PageLayout layout;
+  const std::int32_t* indptr = nullptr;         ///< [batch + 1]
+  const std::int32_t* indices = nullptr;        ///< [indptr[batch]]
+  const std::int32_t* last_page_len = nullptr;  ///< [batch]
+  int batch = 0;
+
+  /// First element of page `page` in this layer: [layout.page_stride].
+  const T* page(std::int32_t page_id) const noexcept { return pool + std::int64_t{page_id} * layout.page_stride; }
+  /// Tokens of sequence b.
+  std::int64_t length(int b) const noexcept {
+    const std::int32_t pages = indptr[b + 1] - indptr[b];
+    return pages == 0 ? 0 : std::int64_t{pages - 1} * layout.page_size + last_page_len[b];
+  }
+};
+
+/// Counts and bytes of a cache at one moment.
+struct CacheStats {
+  std::int64_t pages_total = 0;
+  std::int64_t pages_free = 0;
+  std::int64_t pages_used = 0;
+  std::int64_t pages_shared = 0;       ///< used by more than one sequence
+  std::int64_t sequences = 0;
+  std::int64_t tokens_logical = 0;     ///< sum of sequence lengths (a shared token counts per sequence)
+  std::int64_t tokens_stored = 0;      ///< token slots holding data (a shared token counts once)
+  std::int64_t bytes_per_page = 0;     ///< all layers, padding included
+  std::int64_t bytes_reserved = 0;     ///< pages_used · bytes_per_page
+  std::int64_t bytes_stored = 0;       ///< tokens_stored · payload bytes per token, all layers
+  std::int64_t bytes_pool = 0;         ///< the whole pool, pages_total · bytes_per_page
+  std::int64_t bytes_bookkeeping = 0;  ///< host memory of the free list, counts and page tables
+};
+
+template <class T, class M = HostMemory> class PagedKvCache {
+  static_assert(is_storage_type_v<T>, "kvattn::PagedKvCache: T must be fp32, fp16 or bf16");
+
+ public:
+  using element_type = T;
+  using memory_space = M;
+
+  explicit PagedKvCache(const CacheConfig& config) : config_(config) {
+    if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
+    layout_ = PageLayout::make(config.shape, config.page_size, sizeof(T));
+    layer_stride_ = config.num_pages * layout_.page_stride;
+    const auto max_elements = std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(sizeof(T));
+    if (layer_stride_ > max_elements / config.layers)
+      raise<invalid_argument>(detail::concat("PagedKvCache: ", config.layers, " layers x ", config.num_pages,
+                                             " pages x ", layout_.page_stride, " elements overflow"));
+    pool_bytes_ = static_cast<std::size_t>(layer_stride_ * config.layers) * sizeof(T);
+    refcount_.assign(static_cast<std::size_t>(config.num_pages), 0);
+    free_.reserve(static_cast<std::size_t>(config.num_pages));  // never reallocates: frees cannot throw
+    for (std::int64_t p = config.num_pages; p-- > 0;) free_.push_back(static_cast<PageId>(p));
+    pool_ = static_cast<T*>(M::allocate(pool_bytes_));
+  }
+  ~PagedKvCache() { M::deallocate(pool_, pool_bytes_); }
+
+  PagedKvCache(const PagedKvCache&) = delete;
+  PagedKvCache& operator=(const PagedKvCache&) = delete;
+  PagedKvCache(PagedKvCache&& other) noexcept { swap(other); }
+  PagedKvCache& operator=(PagedKvCache&& other) noexcept {
+    if (this != &other) {
+      PagedKvCache gone(std::move(other));
+      swap(gone);
+    }
+    return *this;
+  }
+
+  const CacheConfig& config() const noexcept { return config_; }
+  const PageLayout& layout() const noexcept { return layout_; }
+
+  // ---- sequences -----------------------------------------------------------------------------
+
+  /// A new, empty sequence.
+  SeqId add_sequence() {
+    const SeqId id = next_id_;
+    seqs_.emplace(id, Sequence{});
+    ++next_id_;
+    return id;
+  }
+
+  bool contains(SeqId seq) const noexcept { return seqs_.count(seq) != 0; }
+  std::int64_t length(SeqId seq) const { return get(seq, "length").length; }
+  /// The sequence's page ids, in token order.
+  const std::vector<PageId>& pages(SeqId seq) const { return get(seq, "pages").pages; }
+  /// Live sequences, in increasing id order.
+  std::vector<SeqId> sequences() const {
+    std::vector<SeqId> ids;
+    ids.reserve(seqs_.size());
+    for (const auto& entry : seqs_) ids.push_back(entry.first);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
+
+  /// Reserves n more tokens at the end of `seq` and writes where each one goes, in order, to
+  /// slots [n] (unless it is null). Takes new pages from the pool, and a private copy of a
+  /// shared, partly filled last page.
+  void append(SeqId seq, std::int64_t n, Slot* slots) {
+    Sequence& s = get(seq, "append");
+    if (n <= 0) raise<invalid_argument>(detail::concat("append(seq=", seq, ", n=", n, "): n must be positive"));
+    const std::int64_t P = config_.page_size;
+    const std::int64_t capacity = config_.num_pages * P;
+    if (n > capacity - s.length)
+      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): ", s.length, " + ", n,
+                                           " tokens exceed the pool's ", capacity));
+    const std::int64_t have = static_cast<std::int64_t>(s.pages.size());
+    const std::int64_t need = (s.length + n + P - 1) / P;
+    const bool copy_last = s.length % P != 0 && refcount_[page_index(s.pages.back())] > 1;
+    const std::int64_t new_pages = need - have + (copy_last ? 1 : 0);
+    if (new_pages > static_cast<std::int64_t>(free_.size()))
+      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): needs ", new_pages, " free page",
+                                           new_pages == 1 ? "" : "s", ", the pool has ", free_.size(), " of ",
+                                           config_.num_pages));
+    if (static_cast<std::size_t>(need) > s.pages.capacity())  // grow geometrically: appends stay O(1)
+      s.pages.reserve(std::max(static_cast<std::size_t>(need), 2 * s.pages.capacity()));
+    // Nothing below throws.
+    if (copy_last) make_private(s, have - 1);
+    for (std::int64_t i = have; i < need; ++i) s.pages.push_back(take_page());
+    if (slots != nullptr)
+      for (std::int64_t t = s.length; t < s.length + n; ++t)
+        *slots++ = Slot{s.pages[static_cast<std::size_t>(t / P)], static_cast<std::int32_t>(t % P)};
+    s.length += n;
+  }
+  /// As above, returning the slots.
+  std::vector<Slot> append(SeqId seq, std::int64_t n) {
+    std::vector<Slot> slots(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)));
+    append(seq, n, slots.data());
+    return slots;
+  }
+
+  /// A new sequence sharing every page of `parent` (nothing is copied until one of them writes).
+  SeqId fork(SeqId parent) {
+    Sequence copy = get(parent, "fork");
+    const SeqId id = next_id_;
+    const Sequence& child = seqs_.emplace(id, std::move(copy)).first->second;
+    ++next_id_;
+    for (PageId p : child.pages) ++refcount_[page_index(p)];
+    return id;
+  }
+
+  /// Shortens `seq` to `new_length` tokens; pages no sequence uses any more return to the pool.
+  void truncate(SeqId seq, std::int64_t new_length) {
+    Sequence& s = get(seq, "truncate");
+    if (new_length < 0 || new_length > s.length)
+      raise<invalid_argument>(detail::concat("truncate(seq=", seq, ", length=", new_length,
+                                             "): the sequence holds ", s.length, " tokens"));
+    const std::int64_t keep = (new_length + config_.page_size - 1) / config_.page_size;
+    while (static_cast<std::int64_t>(s.pages.size()) > keep) {
+      release_page(s.pages.back());
+      s.pages.pop_back();
+    }
+    s.length = new_length;
+  }
+
+  /// Removes `seq`; its pages return to the pool unless another sequence shares them.
+  void remove(SeqId seq) {
+    Sequence& s = get(seq, "remove");
+    for (PageId p : s.pages) release_page(p);
+    seqs_.erase(seq);
+  }
+
+  /// Where token `position` of `seq` is (read-only: a write through it would bypass copy-on-write).
+  Slot slot(SeqId seq, std::int64_t position) const {
+    const Sequence& s = get(seq, "slot");
+    check_position(seq, s, position, 1, "slot");
+    return Slot{s.pages[static_cast<std::size_t>(position / config_.page_size)],
+                static_cast<std::int32_t>(position % config_.page_size)};
+  }
+
+  // ---- writing and reading tokens ------------------------------------------------------------
+
+  /// GQA family: writes keys and values of tokens [first, first + count) of `seq` in `layer`.
+  /// k, v: [count][kv_heads][head_dim] of fp32, fp16 or bf16 (converted to T). Copies any shared
+  /// page in that range first (in every layer); fails before writing if the pool cannot.
+  template <class Src, class Target = this_target>
+  void write(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* k, const Src* v) {
+    prepare_write(seq, layer, first, count, PageContent::gqa, "write");
+    const Sequence& s = seqs_.at(seq);
+    const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
+    for (std::int64_t i = 0; i < count; ++i) {
+      T* page = page_data(layer, s, first + i);
+      const int t = static_cast<int>((first + i) % config_.page_size);
+      for (int h = 0; h < layout_.kv_heads; ++h) {
+        const std::int64_t src = (i * layout_.kv_heads + h) * layout_.head_dim;
+        convert_row(typename Target::isa{}, k + src, page + layout_.key(h, t), d);
+        convert_row(typename Target::isa{}, v + src, page + layout_.value(h, t), d);
+      }
+    }
+  }
+  template <class Src, class Target = this_target>
+  void write(SeqId seq, int layer, std::int64_t position, const Src* k, const Src* v) {
+    write<Src, Target>(seq, layer, position, 1, k, v);
+  }
+
+  /// MLA: writes latents [count][latent_dim] and rotary keys [count][rope_dim] of tokens
+  /// [first, first + count) of `seq` in `layer`. Copy-on-write as write().
+  template <class Src, class Target = this_target>
+  void write_latent(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* latent, const Src* rope) {
+    prepare_write(seq, layer, first, count, PageContent::mla, "write_latent");
+    const Sequence& s = seqs_.at(seq);
+    for (std::int64_t i = 0; i < count; ++i) {
+      T* page = page_data(layer, s, first + i);
+      const int t = static_cast<int>((first + i) % config_.page_size);
+      convert_row(typename Target::isa{}, latent + i * layout_.latent_dim, page + layout_.latent(t), static_cast<std::size_t>(layout_.latent_dim));
+      convert_row(typename Target::isa{}, rope + i * layout_.rope_dim, page + layout_.rope(t), static_cast<std::size_t>(layout_.rope_dim));
+    }
+  }
+  template <class Src, class Target = this_target>
+  void write_latent(SeqId seq, int layer, std::int64_t position, const Src* latent, const Src* rope) {
+    write_latent<Src, Target>(seq, layer, position, 1, latent, rope);
+  }
+
+  /// GQA family: token `position`'s keys and values in `layer`, k, v: [kv_heads][head_dim].
+  template <class Dst, class Target = this_target>
+  void read(SeqId seq, int layer, std::int64_t position, Dst* k, Dst* v) const {
+    const T* page = token_page(seq, layer, position, PageContent::gqa, "read");
+    const int t = static_cast<int>(position % config_.page_size);
+    const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
+    for (int h = 0; h < layout_.kv_heads; ++h) {
+      convert_row(typename Target::isa{}, page + layout_.key(h, t), k + std::int64_t{h} * layout_.head_dim, d);
+      convert_row(typename Target::isa{}, page + layout_.value(h, t), v + std::int64_t{h} * layout_.head_dim, d);
+    }
+  }
+
+  /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`.
+  template <class Dst, class Target = this_target>
+  void read_latent(SeqId seq, int layer, std::int64_t position, Dst* latent, Dst* rope) const {
+    const T* page = token_page(seq, layer, position, PageContent::mla, "read_latent");
+    const int t = static_cast<int>(position % config_.page_size);
+    convert_row(typename Target::isa{}, page + layout_.latent(t), latent, static_cast<std::size_t>(layout_.latent_dim));
+    convert_row(typename Target::isa{}, page + layout_.rope(t), rope, static_cast<std::size_t>(layout_.rope_dim));
+  }
+
+  // ---- what kernels read ---------------------------------------------------------------------
+
+  /// Fills `out` with the page tables of `seqs` [count], reusing its vectors' memory.
+  void build_page_table(const SeqId* seqs, std::size_t count, BatchPageTable& out) const {
+    std::int64_t nnz = 0;
+    for (std::size_t b = 0; b < count; ++b) nnz += static_cast<std::int64_t>(get(seqs[b], "build_page_table").pages.size());
+    if (nnz > std::numeric_limits<std::int32_t>::max())
+      raise<invalid_argument>(detail::concat("build_page_table: ", nnz, " pages exceed the int32 indices of the view"));
+    out.indptr.resize(count + 1);
+    out.indices.resize(static_cast<std::size_t>(nnz));
+    out.last_page_len.resize(count);
+    out.indptr[0] = 0;
+    std::size_t at = 0;
+    for (std::size_t b = 0; b < count; ++b) {
+      const Sequence& s = seqs_.at(seqs[b]);
+      std::copy(s.pages.begin(), s.pages.end(), out.indices.begin() + static_cast<std::ptrdiff_t>(at));
+      at += s.pages.size();
+      out.indptr[b + 1] = static_cast<std::int32_t>(at);
+      out.last_page_len[b] =
+          s.length == 0 ? 0 : static_cast<std::int32_t>(s.length - (static_cast<std::int64_t>(s.pages.size()) - 1) * config_.page_size);
+    }
+  }
+  BatchPageTable page_table(const std::vector<SeqId>& seqs) const {
+    BatchPageTable t;
+    build_page_table(seqs.data(), seqs.size(), t);
+    return t;
+  }
+
+  /// One layer of the pool with a batch's page table; valid while `table` lives and no mutation runs.
+  PagedKvView<T> view(const BatchPageTable& table, int layer) const {
+    check_layer(layer, "view");
+    return PagedKvView<T>{layer_data(layer), layout_, table.indptr.data(), table.indices.data(),
+                          table.last_page_len.data(), table.batch()};
+  }
+
+  /// The pool of one layer: [num_pages][layout().page_stride].
+  const T* layer_data(int layer) const noexcept { return pool_ + layer * layer_stride_; }
+  T* layer_data(int layer) noexcept { return pool_ + layer * layer_stride_; }
+  std::int64_t layer_stride() const noexcept { return layer_stride_; }
+  /// The whole pool: [layers][num_pages][page_stride], pool_bytes() bytes.
+  const T* data() const noexcept { return pool_; }
+  std::size_t pool_bytes() const noexcept { return pool_bytes_; }
+
+  // ---- accounting ----------------------------------------------------------------------------
+
+  std::int64_t free_pages() const noexcept { return static_cast<std::int64_t>(free_.size()); }
+  /// Sequences holding page `page` (0: free).
+  int page_refcount(PageId page) const { return refcount_.at(page_index(page)); }
+
+  CacheStats stats() const {
+    CacheStats st;
+    st.pages_total = config_.num_pages;
+    st.pages_free = free_pages();
+    st.pages_used = st.pages_total - st.pages_free;
+    for (int r : refcount_) st.pages_shared += r > 1;
+    st.sequences = static_cast<std::int64_t>(seqs_.size());
+    std::vector<std::int32_t> filled(refcount_.size(), 0);  // tokens holding data per page
+    const std::int64_t P = config_.page_size;
+    for (const auto& entry : seqs_) {
+      const Sequence& s = entry.second;
+      st.tokens_logical += s.length;
+      for (std::size_t i = 0; i < s.pages.size(); ++i) {
+        auto& f = filled[page_index(s.pages[i])];
+        f = std::max(f, static_cast<std::int32_t>(std::min<std::int64_t>(P, s.length - static_cast<std::int64_t>(i) * P)));
+      }
+    }
+    for (std::int32_t f : filled) st.tokens_stored += f;
+    const auto elem = static_cast<std::int64_t>(sizeof(T));
+    st.bytes_per_page = layout_.page_stride * config_.layers * elem;
+    st.bytes_reserved = st.pages_used * st.bytes_per_page;
+    st.bytes_pool = st.pages_total * st.bytes_per_page;
+    st.bytes_stored = st.tokens_stored * layout_.token_elements() * config_.layers * elem;
+    std::int64_t tables = 0;
+    for (const auto& entry : seqs_)
+      tables += static_cast<std::int64_t>(sizeof(entry) + entry.second.pages.capacity() * sizeof(PageId));
+    st.bytes_bookkeeping = static_cast<std::int64_t>(sizeof(*this) + refcount_.capacity() * sizeof(int) +
+                                                     free_.capacity() * sizeof(PageId) +
+                                                     seqs_.bucket_count() * sizeof(void*)) + tables;
+    return st;
+  }
+
+  /// Checks the bookkeeping (reference counts match the page tables, free + used = total, every
+  /// table has the pages its length needs); throws std::logic_error saying what is wrong.
+  void check_invariants() const {
+    std::vector<int> counted(refcount_.size(), 0);
+    for (const auto& entry : seqs_) {
+      const Sequence& s = entry.second;
+      const std::int64_t need = (s.length + config_.page_size - 1) / config_.page_size;
+      if (static_cast<std::int64_t>(s.pages.size()) != need)
+        throw std::logic_error(detail::concat("seq ", entry.first, ": ", s.pages.size(), " pages for ", s.length, " tokens"));
+      for (PageId p : s.pages) ++counted.at(page_index(p));
+    }
+    std::vector<bool> is_free(refcount_.size(), false);
+    for (PageId p : free_) {
+      if (is_free.at(page_index(p))) throw std::logic_error(detail::concat("page ", p, " is free twice"));
+      is_free[page_index(p)] = true;
+    }
+    for (std::size_t p = 0; p < refcount_.size(); ++p) {
+      if (refcount_[p] != counted[p])
+        throw std::logic_error(detail::concat("page ", p, ": refcount ", refcount_[p], ", used by ", counted[p], " tables"));
+      if (is_free[p] != (refcount_[p] == 0))
+        throw std::logic_error(detail::concat("page ", p, ": refcount ", refcount_[p], (is_free[p] ? " but free" : " but not free")));
+    }
+  }
+
+ private:
+  struct Sequence {
+    std::vector<PageId> pages;  // [ceil(length / page_size)]
+    std::int64_t length = 0;
+  };
+
+  static std::size_t page_index(PageId p) noexcept { return static_cast<std::size_t>(p); }
+
+  Sequence& get(SeqId seq, const char* op) {
+    auto it = seqs_.find(seq);
+    if (it == seqs_.end()) raise<invalid_argument>(detail::concat(op, "(seq=", seq, "): no such sequence"));
+    return it->second;
+  }
+  const Sequence& get(SeqId seq, const char* op) const { return const_cast<PagedKvCache*>(this)->get(seq, op); }
+
+  void check_layer(int layer, const char* op) const {
+    if (layer < 0 || layer >= config_.layers)
+      raise<invalid_argument>(detail::concat(op, ": layer=", layer, " is outside [0, ", config_.layers, ")"));
+  }
+  void check_position(SeqId seq, const Sequence& s, std::int64_t first, std::int64_t count, const char* op) const {
+    if (count <= 0 || first < 0 || first > s.length - count)
+      raise<invalid_argument>(detail::concat(op, "(seq=", seq, ", position=", first, ", count=", count,
+                                             "): the sequence holds ", s.length, " tokens"));
+  }
+  void check_content(PageContent want, const char* op) const {
+    if (layout_.content != want)
+      raise<invalid_argument>(detail::concat(op, ": this cache holds ", layout_.content == PageContent::gqa ? "GQA" : "MLA",
+                                             " pages (use ", layout_.content == PageContent::gqa ? "write/read" : "write_latent/read_latent",
+                                             ")"));
+  }
+
+  PageId take_page() noexcept {
+    const PageId p = free_.back();
+    free_.pop_back();
+    refcount_[page_index(p)] = 1;
+    return p;
+  }
+  void release_page(PageId p) noexcept {
+    if (--refcount_[page_index(p)] == 0) free_.push_back(p);  // capacity reserved: cannot throw
+  }
+  /// Gives `s` its own copy of its page `i`, in every layer. Needs one free page.
+  void make_private(Sequence& s, std::int64_t i) noexcept {
+    const PageId old = s.pages[static_cast<std::size_t>(i)];
+    const PageId copy = take_page();
+    const std::size_t bytes = static_cast<std::size_t>(layout_.page_stride) * sizeof(T);
+    for (int l = 0; l < config_.layers; ++l)
+      M::copy(layer_data(l) + std::int64_t{copy} * layout_.page_stride, layer_data(l) + std::int64_t{old} * layout_.page_stride, bytes);
+    release_page(old);
+    s.pages[static_cast<std::size_t>(i)] = copy;
+  }
+
+  /// Validates a write of tokens [first, first + count) and makes their pages private to `seq`.
+  void prepare_write(SeqId seq, int layer, std::int64_t first, std::int64_t count, PageContent content, const char* op) {
+    static_assert(M::host_accessible, "kvattn::PagedKvCache: host writes need host-accessible memory");
+    Sequence& s = get(seq, op);
+    check_content(content, op);
+    check_layer(layer, op);
+    check_position(seq, s, first, count, op);
+    const std::int64_t P = config_.page_size;
+    const std::int64_t a = first / P, b = (first + count - 1) / P;
+    std::int64_t shared = 0;
+    for (std::int64_t i = a; i <= b; ++i) shared += refcount_[page_index(s.pages[static_cast<std::size_t>(i)])] > 1;
+    if (shared > free_pages())
+      raise<capacity_error>(detail::concat(op, "(seq=", seq, ", position=", first, ", count=", count, "): copying ", shared,
+                                           " shared page", shared == 1 ? "" : "s", " needs as many free pages, the pool has ",
+                                           free_pages()));
+    for (std::int64_t i = a; i <= b; ++i)
+      if (refcount_[page_index(s.pages[static_cast<std::size_t>(i)])] > 1) make_private(s, i);
+  }
+
+  T* page_data(int layer, const Sequence& s, std::int64_t position) noexcept {
+    return layer_data(layer) + std::int64_t{s.pages[static_cast<std::size_t>(position / config_.page_size)]} * layout_.page_stride;
+  }
+  const T* token_page(SeqId seq, int layer, std::int64_t position, PageContent content, const char* op) const {
+    static_assert(M::host_accessible, "kvattn::PagedKvCache: host reads need host-accessible memory");
+    const Sequence& s = get(seq, op);
+    check_content(content, op);
+    check_layer(layer, op);
+    check_position(seq, s, position, 1, op);
+    return const_cast<PagedKvCache*>(this)->page_data(layer, s, position);
+  }
+
+  void swap(PagedKvCache& o) noexcept {
+    std::swap(config_, o.config_);
+    std::swap(layout_, o.layout_);
+    std::swap(layer_stride_, o.layer_stride_);
+    std::swap(pool_, o.pool_);
+    std::swap(pool_bytes_, o.pool_bytes_);
+    refcount_.swap(o.refcount_);
+    free_.swap(o.free_);
+    seqs_.swap(o.seqs_);
+    std::swap(next_id_, o.next_id_);
+  }
+
+  CacheConfig config_;
+  PageLayout layout_;
+  std::int64_t layer_stride_ = 0;  // elements
+  T* pool_ = nullptr;
+  std::size_t pool_bytes_ = 0;
+  std::vector<int> refcount_;      // [num_pages] sequences using each page
+  std::vector<PageId> free_;       // free page ids, capacity num_pages
+  std::unordered_map<SeqId, Sequence> seqs_;
+  SeqId next_id_ = 0;
+};
+
+}  // namespace kvattn
