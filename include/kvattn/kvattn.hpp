@@ -9,3 +9,7 @@
 #include "storage.hpp"
 #include "memory.hpp"
 #include "paged_cache.hpp"
+#include "parallel.hpp"
+#include "state.hpp"
+#include "simd.hpp"
+#include "decode.hpp"

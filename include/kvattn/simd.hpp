@@ -1,0 +1,202 @@
+// kvattn/simd.hpp — the few vector operations attention kernels are written against.
+//
+// Vec<Isa> holds Vec<Isa>::lanes floats. Generic kernels use only these operations; each
+// instruction set specializes Vec with its intrinsics, and Vec<isa::scalar> (one lane) is plain
+// C++, so the scalar kernel reads like the math. Loads convert from the storage type (fp32,
+// fp16, bf16); load_partial / store_partial touch only the first n lanes (0 <= n < lanes).
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "config.hpp"
+#include "storage.hpp"
+
+#if KVATTN_HAS_AVX2 || KVATTN_HAS_AVX512
+#include <immintrin.h>
+#endif
+#if KVATTN_HAS_NEON
+#include <arm_neon.h>
+#endif
+
+namespace kvattn {
+KVATTN_BEGIN_TARGET_NAMESPACE
+namespace simd {
+
+template <class Isa> struct Vec;
+
+template <> struct Vec<isa::scalar> {
+  static constexpr int lanes = 1;
+  float v;
+  static Vec zero() noexcept { return {0.0f}; }
+  static Vec set1(float x) noexcept { return {x}; }
+  template <class T> static Vec load(const T* p) noexcept { return {to_float(*p)}; }
+  template <class T> static Vec load_partial(const T* p, int n) noexcept { return {n > 0 ? to_float(*p) : 0.0f}; }
+  void store(float* p) const noexcept { *p = v; }
+  void store_partial(float* p, int n) const noexcept {
+    if (n > 0) *p = v;
+  }
+  friend Vec fma(Vec a, Vec b, Vec c) noexcept { return {a.v * b.v + c.v}; }  // a·b + c
+  friend Vec operator*(Vec a, Vec b) noexcept { return {a.v * b.v}; }
+  friend Vec operator+(Vec a, Vec b) noexcept { return {a.v + b.v}; }
+  friend Vec operator-(Vec a, Vec b) noexcept { return {a.v - b.v}; }
+  friend Vec max(Vec a, Vec b) noexcept { return {a.v > b.v ? a.v : b.v}; }
+  friend Vec exp(Vec a) noexcept { return {std::exp(a.v)}; }
+  float reduce_add() const noexcept { return v; }
+  float reduce_max() const noexcept { return v; }
+};
+
+namespace detail {
+// exp(x) for x <= 0 (softmax arguments): 2^(x·log2 e) split as 2^k · 2^f, f in [-0.5, 0.5],
+// 2^f by a degree-6 polynomial (relative error below 2e-7); x below -87 gives 0.
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kExpPoly[7] = {1.0f, 0.693147182f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f, 0.000154035304f};
+}  // namespace detail
+
+#if KVATTN_HAS_AVX2
+template <> struct Vec<isa::avx2> {
+  static constexpr int lanes = 8;
+  __m256 v;
+  static Vec zero() noexcept { return {_mm256_setzero_ps()}; }
+  static Vec set1(float x) noexcept { return {_mm256_set1_ps(x)}; }
+  static Vec load(const float* p) noexcept { return {_mm256_loadu_ps(p)}; }
+  static Vec load(const fp16* p) noexcept { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static Vec load(const bf16* p) noexcept {
+    const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
+  }
+  template <class T> static Vec load_partial(const T* p, int n) noexcept {
+    T tmp[lanes] = {};
+    std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
+    return load(tmp);
+  }
+  void store(float* p) const noexcept { _mm256_storeu_ps(p, v); }
+  void store_partial(float* p, int n) const noexcept {
+    float tmp[lanes];
+    _mm256_storeu_ps(tmp, v);
+    std::memcpy(p, tmp, sizeof(float) * static_cast<std::size_t>(n));
+  }
+  friend Vec fma(Vec a, Vec b, Vec c) noexcept { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec operator*(Vec a, Vec b) noexcept { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend Vec operator+(Vec a, Vec b) noexcept { return {_mm256_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) noexcept { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend Vec max(Vec a, Vec b) noexcept { return {_mm256_max_ps(a.v, b.v)}; }
+  friend Vec exp(Vec a) noexcept {
+    const __m256 x = _mm256_max_ps(_mm256_mul_ps(a.v, _mm256_set1_ps(detail::kLog2e)), _mm256_set1_ps(-126.0f));
+    const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(x, k);
+    __m256 p = _mm256_set1_ps(detail::kExpPoly[6]);
+    for (int i = 5; i >= 0; --i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(detail::kExpPoly[i]));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 r = _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+    return {_mm256_and_ps(r, _mm256_cmp_ps(a.v, _mm256_set1_ps(-87.0f), _CMP_GE_OQ))};
+  }
+  float reduce_add() const noexcept {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+  }
+  float reduce_max() const noexcept {
+    const __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
+  }
+};
+#endif  // KVATTN_HAS_AVX2
+
+#if KVATTN_HAS_AVX512
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593, as in storage.hpp
+#endif
+template <> struct Vec<isa::avx512> {
+  static constexpr int lanes = 16;
+  __m512 v;
+  static __mmask16 mask(int n) noexcept { return static_cast<__mmask16>((1u << n) - 1u); }
+  static Vec zero() noexcept { return {_mm512_setzero_ps()}; }
+  static Vec set1(float x) noexcept { return {_mm512_set1_ps(x)}; }
+  static Vec load(const float* p) noexcept { return {_mm512_loadu_ps(p)}; }
+  static Vec load(const fp16* p) noexcept { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+  static Vec load(const bf16* p) noexcept {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static Vec load_partial(const float* p, int n) noexcept { return {_mm512_maskz_loadu_ps(mask(n), p)}; }
+  static Vec load_partial(const fp16* p, int n) noexcept { return {_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask(n), p))}; }
+  static Vec load_partial(const bf16* p, int n) noexcept {
+    const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask(n), p));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  void store(float* p) const noexcept { _mm512_storeu_ps(p, v); }
+  void store_partial(float* p, int n) const noexcept { _mm512_mask_storeu_ps(p, mask(n), v); }
+  friend Vec fma(Vec a, Vec b, Vec c) noexcept { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+  friend Vec operator*(Vec a, Vec b) noexcept { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend Vec operator+(Vec a, Vec b) noexcept { return {_mm512_add_ps(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) noexcept { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend Vec max(Vec a, Vec b) noexcept { return {_mm512_max_ps(a.v, b.v)}; }
+  friend Vec exp(Vec a) noexcept {
+    const __m512 x = _mm512_max_ps(_mm512_mul_ps(a.v, _mm512_set1_ps(detail::kLog2e)), _mm512_set1_ps(-126.0f));
+    const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, k);
+    __m512 p = _mm512_set1_ps(detail::kExpPoly[6]);
+    for (int i = 5; i >= 0; --i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(detail::kExpPoly[i]));
+    const __m512 r = _mm512_scalef_ps(p, k);
+    return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a.v, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), r)};
+  }
+  float reduce_add() const noexcept { return _mm512_reduce_add_ps(v); }
+  float reduce_max() const noexcept { return _mm512_reduce_max_ps(v); }
+};
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // KVATTN_HAS_AVX512
+
+#if KVATTN_HAS_NEON
+template <> struct Vec<isa::neon> {
+  static constexpr int lanes = 4;
+  float32x4_t v;
+  static Vec zero() noexcept { return {vdupq_n_f32(0.0f)}; }
+  static Vec set1(float x) noexcept { return {vdupq_n_f32(x)}; }
+  static Vec load(const float* p) noexcept { return {vld1q_f32(p)}; }
+  static Vec load(const fp16* p) noexcept {
+    return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))))};
+  }
+  static Vec load(const bf16* p) noexcept {
+    return {vreinterpretq_f32_u32(vshlq_n_u32(vmovl_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))), 16))};
+  }
+  template <class T> static Vec load_partial(const T* p, int n) noexcept {
+    T tmp[lanes] = {};
+    std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
+    return load(tmp);
+  }
+  void store(float* p) const noexcept { vst1q_f32(p, v); }
+  void store_partial(float* p, int n) const noexcept {
+    float tmp[lanes];
+    vst1q_f32(tmp, v);
+    std::memcpy(p, tmp, sizeof(float) * static_cast<std::size_t>(n));
+  }
+  friend Vec fma(Vec a, Vec b, Vec c) noexcept { return {vfmaq_f32(c.v, a.v, b.v)}; }
+  friend Vec operator*(Vec a, Vec b) noexcept { return {vmulq_f32(a.v, b.v)}; }
+  friend Vec operator+(Vec a, Vec b) noexcept { return {vaddq_f32(a.v, b.v)}; }
+  friend Vec operator-(Vec a, Vec b) noexcept { return {vsubq_f32(a.v, b.v)}; }
+  friend Vec max(Vec a, Vec b) noexcept { return {vmaxq_f32(a.v, b.v)}; }
+  friend Vec exp(Vec a) noexcept {
+    const float32x4_t x = vmaxq_f32(vmulq_n_f32(a.v, detail::kLog2e), vdupq_n_f32(-126.0f));
+    const float32x4_t k = vrndnq_f32(x);
+    const float32x4_t f = vsubq_f32(x, k);
+    float32x4_t p = vdupq_n_f32(detail::kExpPoly[6]);
+    for (int i = 5; i >= 0; --i) p = vfmaq_f32(vdupq_n_f32(detail::kExpPoly[i]), p, f);
+    const int32x4_t scale = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(k), vdupq_n_s32(127)), 23);
+    const float32x4_t r = vmulq_f32(p, vreinterpretq_f32_s32(scale));
+    return {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(r), vcgeq_f32(a.v, vdupq_n_f32(-87.0f))))};
+  }
+  float reduce_add() const noexcept { return vaddvq_f32(v); }
+  float reduce_max() const noexcept { return vmaxvq_f32(v); }
+};
+#endif  // KVATTN_HAS_NEON
+
+}  // namespace simd
+KVATTN_END_TARGET_NAMESPACE
+}  // namespace kvattn
