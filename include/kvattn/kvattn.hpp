@@ -13,3 +13,4 @@
 #include "state.hpp"
 #include "simd.hpp"
 #include "decode.hpp"
+#include "prefill.hpp"

@@ -1,0 +1,281 @@
+// kvattn/prefill.hpp — causal (chunked) prefill attention for the MHA / GQA / MQA family.
+//
+// A chunk of n new tokens per sequence: their keys and values are written into the paged cache
+// (the tokens must already be appended, cache.append(seq, n), as the last n of the sequence), and
+// each new token's queries attend causally to everything cached at or before its position: the
+// earlier chunks as well as the new tokens before it. Chunking a prompt any way gives the same
+// result as one-shot prefill.
+//
+//   q_indptr [batch + 1]                 sequence b's chunk is rows [q_indptr[b], q_indptr[b+1])
+//   q        [total][q_heads][head_dim]  fp32 (total = q_indptr[batch])
+//   k, v     [total][kv_heads][head_dim] fp32, written into `layer` of the cache
+//   out      [total][q_heads][head_dim]  fp32
+//   lse      [total][q_heads]            fp32, natural log; optional
+//
+// Tiled as FlashAttention is: work items are (sequence, KV head, block of query tokens), and each
+// runs over the key tiles its block can see with an online softmax, so no score matrix of size
+// tokens × tokens is ever materialized. Within an item the vector lanes hold query rows: scores
+// of a tile, their running max and sum, and the rescaling are all computed for a whole vector of
+// rows at once, so no horizontal reductions are needed.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "decode.hpp"
+#include "paged_cache.hpp"
+#include "parallel.hpp"
+#include "simd.hpp"
+
+namespace kvattn {
+
+struct PrefillParams {
+  float scale = 0.0f;            ///< softmax scale; 0: 1 / sqrt(head_dim)
+  std::int64_t window = 0;       ///< sliding window W (Variant<true, ...>)
+  float soft_cap = 0.0f;         ///< soft-cap (Variant<..., true>), > 0
+  int query_block = 32;          ///< query tokens per work item
+};
+
+/// Scratch memory of prefill(); reuse it across calls. The fields belong to prefill().
+struct PrefillWorkspace {
+  struct Item {
+    std::int32_t seq, kv_head;
+    std::int64_t q_begin, q_end;  ///< rows of q (global token index)
+  };
+  std::vector<Item> items;
+  std::vector<float> scratch;  ///< per item: packed queries, a tile's keys and values, probabilities, stats
+};
+
+KVATTN_BEGIN_TARGET_NAMESPACE
+namespace prefill_impl {
+
+inline constexpr int kTile = 16;  // keys per tile
+
+/// Floats of scratch one item needs.
+template <class Isa> constexpr std::int64_t scratch_floats(int rows, int dim) {
+  constexpr int W = simd::Vec<Isa>::lanes;
+  const std::int64_t blocks = (rows + W - 1) / W;
+  return blocks * W * dim      // queries, transposed per block of W rows: [block][dim][W], pre-scaled
+         + 2 * kTile * dim     // the tile's keys and values as fp32: [kTile][dim] each
+         + kTile * W           // probabilities of one row block: [kTile][W]
+         + 2 * blocks * W;     // running max and sum per row
+}
+
+/// One item: rows = group · (q_end - q_begin) query rows (row r: token r / group, head r % group
+/// of the group) against keys [0, last position]. Writes normalized rows to out and lse.
+template <class Isa, int D, class V, class T>
+void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t first_pos, int tokens, const float* q,
+                  float* out, float* lse, int group, int q_heads, float scale, const PrefillParams& p,
+                  float* scratch) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes;
+  const int dim = D > 0 ? D : kv.layout.head_dim;
+  const int rows = group * tokens;
+  const int blocks = (rows + W - 1) / W;
+  const std::int64_t row_stride = std::int64_t{q_heads} * dim;  // floats per token in q and out
+  float* qt = scratch;                                  // [blocks][dim][W]
+  float* kf = qt + std::int64_t{blocks} * W * dim;      // [kTile][dim]
+  float* vf = kf + kTile * dim;                         // [kTile][dim]
+  float* pr = vf + kTile * dim;                         // [kTile][W]
+  float* mrow = pr + kTile * W;                         // [blocks · W]
+  float* drow = mrow + std::int64_t{blocks} * W;        // [blocks · W]
+  const auto q_of = [&](int r) { return q + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
+  const auto o_of = [&](int r) { return out + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  for (int b = 0; b < blocks; ++b)  // pack the queries, scaled, rows in lanes; zero the outputs
+    for (int l = 0; l < W; ++l) {
+      const int r = b * W + l;
+      for (int d = 0; d < dim; ++d) qt[(std::int64_t{b} * dim + d) * W + l] = r < rows ? q_of(r)[d] * scale : 0.0f;
+      mrow[b * W + l] = kNegInf;
+      drow[b * W + l] = 0.0f;
+      if (r < rows) std::fill(o_of(r), o_of(r) + dim, 0.0f);
+    }
+
+  const std::int64_t last_pos = first_pos + tokens - 1;
+  std::int64_t key_begin = 0;
+  if constexpr (V::sliding_window) key_begin = std::max<std::int64_t>(0, first_pos - p.window + 1);
+  const int P = kv.layout.page_size;
+  const std::int32_t* pages = kv.indices + kv.indptr[seq];
+
+  for (std::int64_t t0 = key_begin; t0 <= last_pos; t0 += kTile) {
+    const int n = static_cast<int>(std::min<std::int64_t>(kTile, last_pos + 1 - t0));
+    for (int t = 0; t < n; ++t) {  // the tile's keys and values, converted to fp32 once
+      const std::int64_t pos = t0 + t;
+      const T* page = kv.page(pages[pos / P]);
+      const int slot = static_cast<int>(pos % P);
+      const T* k = page + kv.layout.key(kv_head, slot);
+      const T* v = page + kv.layout.value(kv_head, slot);
+      int c = 0;
+      for (; c + W <= dim; c += W) {
+        Vec::load(k + c).store(kf + t * dim + c);
+        Vec::load(v + c).store(vf + t * dim + c);
+      }
+      if (c < dim) {
+        Vec::load_partial(k + c, dim - c).store_partial(kf + t * dim + c, dim - c);
+        Vec::load_partial(v + c, dim - c).store_partial(vf + t * dim + c, dim - c);
+      }
+    }
+    for (int b = 0; b < blocks; ++b) {
+      const int r0 = b * W;
+      const std::int64_t block_last = first_pos + std::min(rows - 1, r0 + W - 1) / group;
+      const std::int64_t block_first = first_pos + r0 / group;
+      if (t0 > block_last) continue;  // causal: no row of this block sees this tile
+      // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d].
+      Vec s[kTile];
+      for (int t = 0; t < n; ++t) s[t] = Vec::zero();
+      const float* qb = qt + std::int64_t{b} * dim * W;
+      for (int d = 0; d < dim; ++d) {
+        const Vec qd = Vec::load(qb + d * W);
+        for (int t = 0; t < n; ++t) s[t] = fma(Vec::set1(kf[t * dim + d]), qd, s[t]);
+      }
+      const bool diagonal = t0 + n - 1 > block_first;  // some row of the block cannot see some key
+      const bool windowed = V::sliding_window && t0 <= block_last - p.window;
+      for (int t = 0; t < n; ++t) {
+        if constexpr (V::soft_cap) {
+          float tmp[W];
+          s[t].store(tmp);
+          for (int l = 0; l < W; ++l) tmp[l] = p.soft_cap * std::tanh(tmp[l] / p.soft_cap);
+          s[t] = Vec::load(tmp);
+        }
+        if (diagonal || windowed) {
+          float tmp[W];
+          s[t].store(tmp);
+          for (int l = 0; l < W; ++l) {
+            const std::int64_t qpos = first_pos + (r0 + l) / group, pos = t0 + t;
+            bool visible = pos <= qpos;
+            if constexpr (V::sliding_window) visible = visible && pos > qpos - p.window;
+            if (!visible) tmp[l] = kNegInf;
+          }
+          s[t] = Vec::load(tmp);
+        }
+      }
+      // Online softmax for W rows at once.
+      Vec m_old = Vec::load(mrow + r0), m_new = m_old;
+      for (int t = 0; t < n; ++t) m_new = max(m_new, s[t]);
+      float mn[W], mo[W], alpha[W], shift[W];
+      m_new.store(mn);
+      m_old.store(mo);
+      bool rescale = false;
+      for (int l = 0; l < W; ++l) {  // a row that has seen nothing yet shifts by 0: no -inf - -inf
+        alpha[l] = mo[l] == kNegInf ? 0.0f : std::exp(mo[l] - mn[l]);
+        shift[l] = mn[l] == kNegInf ? 0.0f : mn[l];
+        rescale = rescale || alpha[l] != 1.0f;
+      }
+      const Vec sh = Vec::load(shift);
+      Vec sum = Vec::zero();
+      for (int t = 0; t < n; ++t) {
+        const Vec e = exp(s[t] - sh);
+        e.store(pr + t * W);
+        sum = sum + e;
+      }
+      fma(Vec::load(drow + r0), Vec::load(alpha), sum).store(drow + r0);
+      m_new.store(mrow + r0);
+      // o_r = α_r · o_r + Σ_t p[t][r] · v_t
+      const int nrow = std::min(W, rows - r0);
+      for (int l = 0; l < nrow; ++l) {
+        float* o = o_of(r0 + l);
+        const Vec al = Vec::set1(alpha[l]);
+        int c = 0;
+        for (; c + W <= dim; c += W) {
+          Vec acc = rescale ? Vec::load(o + c) * al : Vec::load(o + c);
+          for (int t = 0; t < n; ++t) acc = fma(Vec::set1(pr[t * W + l]), Vec::load(vf + t * dim + c), acc);
+          acc.store(o + c);
+        }
+        for (; c < dim; ++c) {
+          float acc = o[c] * alpha[l];
+          for (int t = 0; t < n; ++t) acc += pr[t * W + l] * vf[t * dim + c];
+          o[c] = acc;
+        }
+      }
+    }
+  }
+  for (int r = 0; r < rows; ++r) {  // normalize, and the log-sum-exp
+    float* o = o_of(r);
+    const float dsum = drow[r];
+    if (dsum > 0.0f) {
+      const float inv = 1.0f / dsum;
+      for (int c = 0; c < dim; ++c) o[c] *= inv;
+    }
+    if (lse) lse[(r / group) * q_heads + kv_head * group + r % group] = SoftmaxStats{mrow[r], dsum}.lse();
+  }
+}
+
+}  // namespace prefill_impl
+
+/// Chunked causal prefill for one layer of a batch; see the top of this file for shapes.
+template <class V = Plain, class Isa = isa::native, class T, class M, class PF = SerialFor>
+void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seqs, const std::int64_t* q_indptr,
+             const GqaShape& shape, const float* q, const float* k, const float* v, float* out, float* lse,
+             const PrefillParams& p, PrefillWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
+  shape.validate();
+  const PageLayout& layout = cache.layout();
+  if (layout.content != PageContent::gqa || layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim)
+    raise<shape_error>(detail::concat("prefill: shape kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim,
+                                      " does not match the cache's kv_heads=", layout.kv_heads, " head_dim=", layout.head_dim));
+  if (p.query_block < 1) raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be positive"));
+  if (!(std::isfinite(p.scale) && p.scale >= 0.0f))
+    raise<invalid_argument>(detail::concat("prefill: scale=", p.scale, ": must be finite and >= 0 (0: 1/sqrt(head_dim))"));
+  if (V::sliding_window && p.window < 1)
+    raise<invalid_argument>(detail::concat("prefill: window=", p.window, ": a sliding window must hold at least 1 token"));
+  if (V::soft_cap && !(p.soft_cap > 0.0f && std::isfinite(p.soft_cap)))
+    raise<invalid_argument>(detail::concat("prefill: soft_cap=", p.soft_cap, ": must be positive and finite"));
+  const int batch = static_cast<int>(seqs.size());
+  if (q_indptr[0] != 0) raise<invalid_argument>(detail::concat("prefill: q_indptr[0]=", q_indptr[0], ": must be 0"));
+  for (int b = 0; b < batch; ++b) {
+    const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
+    if (n < 0 || n > cache.length(seqs[static_cast<std::size_t>(b)]))
+      raise<invalid_argument>(detail::concat("prefill: sequence ", seqs[static_cast<std::size_t>(b)], " has a chunk of ", n,
+                                             " tokens but holds ", cache.length(seqs[static_cast<std::size_t>(b)]),
+                                             " (append the chunk first)"));
+  }
+  if (layer < 0 || layer >= cache.config().layers)
+    raise<invalid_argument>(detail::concat("prefill: layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+
+  // The chunk's keys and values go into the cache first (copy-on-write applies as in write()).
+  for (int b = 0; b < batch; ++b) {
+    const SeqId s = seqs[static_cast<std::size_t>(b)];
+    const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
+    if (n == 0) continue;
+    const std::int64_t offset = q_indptr[b] * shape.kv_heads * shape.head_dim;
+    cache.write(s, layer, cache.length(s) - n, n, k + offset, v + offset);
+  }
+
+  const int group = shape.group_size(), D = shape.head_dim;
+  const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(D));
+  ws.items.clear();
+  for (int b = 0; b < batch; ++b)
+    for (std::int64_t t = q_indptr[b]; t < q_indptr[b + 1]; t += p.query_block)
+      for (int h = 0; h < shape.kv_heads; ++h)
+        ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + p.query_block)});
+  const std::int64_t per_item = prefill_impl::scratch_floats<Isa>(group * p.query_block, D);
+  if (ws.scratch.size() < static_cast<std::size_t>(per_item) * ws.items.size())
+    ws.scratch.resize(static_cast<std::size_t>(per_item) * ws.items.size());
+
+  const BatchPageTable table = cache.page_table(seqs);
+  const PagedKvView<T> kv = cache.view(table, layer);
+  const std::int64_t row = std::int64_t{shape.q_heads} * D;
+  const auto run_item = [&](std::int64_t i) {
+    const PrefillWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
+    const std::int64_t chunk_first = kv.length(it.seq) - (q_indptr[it.seq + 1] - q_indptr[it.seq]);
+    const std::int64_t first_pos = chunk_first + (it.q_begin - q_indptr[it.seq]);
+    const int tokens = static_cast<int>(it.q_end - it.q_begin);
+    float* l = lse ? lse + it.q_begin * shape.q_heads : nullptr;
+    float* scratch = ws.scratch.data() + i * per_item;
+    const float* qi = q + it.q_begin * row;
+    float* oi = out + it.q_begin * row;
+    switch (D) {
+      case 64: prefill_impl::prefill_item<Isa, 64, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
+      case 128: prefill_impl::prefill_item<Isa, 128, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
+      case 256: prefill_impl::prefill_item<Isa, 256, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
+      default: prefill_impl::prefill_item<Isa, 0, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
+    }
+  };
+  pf(static_cast<std::int64_t>(ws.items.size()), run_item);
+}
+
+KVATTN_END_TARGET_NAMESPACE
+}  // namespace kvattn
