@@ -14,3 +14,4 @@
 #include "simd.hpp"
 #include "decode.hpp"
 #include "prefill.hpp"
+#include "rope.hpp"

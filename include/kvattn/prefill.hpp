@@ -103,6 +103,10 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
 
   for (std::int64_t t0 = key_begin; t0 <= last_pos; t0 += kTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kTile, last_pos + 1 - t0));
+    if (n < kTile) {  // a short last tile: zero keys and values, masked below, keep every loop kTile long
+      std::fill(kf + n * dim, kf + kTile * dim, 0.0f);
+      std::fill(vf + n * dim, vf + kTile * dim, 0.0f);
+    }
     for (int t = 0; t < n; ++t) {  // the tile's keys and values, converted to fp32 once
       const std::int64_t pos = t0 + t;
       const T* page = kv.page(pages[pos / P]);
@@ -125,16 +129,17 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       const std::int64_t block_first = first_pos + r0 / group;
       if (t0 > block_last) continue;  // causal: no row of this block sees this tile
       // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d].
+      // kTile accumulators of W rows each stay in registers (the loops have constant length).
       Vec s[kTile];
-      for (int t = 0; t < n; ++t) s[t] = Vec::zero();
+      for (int t = 0; t < kTile; ++t) s[t] = Vec::zero();
       const float* qb = qt + std::int64_t{b} * dim * W;
       for (int d = 0; d < dim; ++d) {
         const Vec qd = Vec::load(qb + d * W);
-        for (int t = 0; t < n; ++t) s[t] = fma(Vec::set1(kf[t * dim + d]), qd, s[t]);
+        for (int t = 0; t < kTile; ++t) s[t] = fma(Vec::set1(kf[t * dim + d]), qd, s[t]);
       }
-      const bool diagonal = t0 + n - 1 > block_first;  // some row of the block cannot see some key
+      const bool diagonal = t0 + kTile - 1 > block_first;  // some row cannot see some key (or padding)
       const bool windowed = V::sliding_window && t0 <= block_last - p.window;
-      for (int t = 0; t < n; ++t) {
+      for (int t = 0; t < kTile; ++t) {
         if constexpr (V::soft_cap) {
           float tmp[W];
           s[t].store(tmp);
@@ -146,7 +151,7 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
           s[t].store(tmp);
           for (int l = 0; l < W; ++l) {
             const std::int64_t qpos = first_pos + (r0 + l) / group, pos = t0 + t;
-            bool visible = pos <= qpos;
+            bool visible = pos <= qpos;  // (padding lies past last_pos, so past every qpos)
             if constexpr (V::sliding_window) visible = visible && pos > qpos - p.window;
             if (!visible) tmp[l] = kNegInf;
           }
@@ -155,41 +160,56 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       }
       // Online softmax for W rows at once.
       Vec m_old = Vec::load(mrow + r0), m_new = m_old;
-      for (int t = 0; t < n; ++t) m_new = max(m_new, s[t]);
+      for (int t = 0; t < kTile; ++t) m_new = max(m_new, s[t]);
       float mn[W], mo[W], alpha[W], shift[W];
       m_new.store(mn);
       m_old.store(mo);
-      bool rescale = false;
       for (int l = 0; l < W; ++l) {  // a row that has seen nothing yet shifts by 0: no -inf - -inf
         alpha[l] = mo[l] == kNegInf ? 0.0f : std::exp(mo[l] - mn[l]);
         shift[l] = mn[l] == kNegInf ? 0.0f : mn[l];
-        rescale = rescale || alpha[l] != 1.0f;
       }
       const Vec sh = Vec::load(shift);
       Vec sum = Vec::zero();
-      for (int t = 0; t < n; ++t) {
+      for (int t = 0; t < kTile; ++t) {
         const Vec e = exp(s[t] - sh);
         e.store(pr + t * W);
         sum = sum + e;
       }
       fma(Vec::load(drow + r0), Vec::load(alpha), sum).store(drow + r0);
       m_new.store(mrow + r0);
-      // o_r = α_r · o_r + Σ_t p[t][r] · v_t
+      // o_r = α_r · o_r + Σ_t p[t][r] · v_t, 4 rows × 2 vectors of columns in registers at once.
       const int nrow = std::min(W, rows - r0);
-      for (int l = 0; l < nrow; ++l) {
-        float* o = o_of(r0 + l);
-        const Vec al = Vec::set1(alpha[l]);
+      for (int l0 = 0; l0 < nrow; l0 += 4) {
+        const int nl = std::min(4, nrow - l0);
+        float* o[4];
+        for (int j = 0; j < 4; ++j) o[j] = o_of(r0 + l0 + std::min(j, nl - 1));  // spare rows repeat the last
         int c = 0;
-        for (; c + W <= dim; c += W) {
-          Vec acc = rescale ? Vec::load(o + c) * al : Vec::load(o + c);
-          for (int t = 0; t < n; ++t) acc = fma(Vec::set1(pr[t * W + l]), Vec::load(vf + t * dim + c), acc);
-          acc.store(o + c);
+        for (; c + 2 * W <= dim; c += 2 * W) {
+          Vec acc[4][2];
+          for (int j = 0; j < 4; ++j) {
+            const Vec al = Vec::set1(alpha[l0 + std::min(j, nl - 1)]);
+            acc[j][0] = Vec::load(o[j] + c) * al;
+            acc[j][1] = Vec::load(o[j] + c + W) * al;
+          }
+          for (int t = 0; t < kTile; ++t) {
+            const Vec v0 = Vec::load(vf + t * dim + c), v1 = Vec::load(vf + t * dim + c + W);
+            for (int j = 0; j < 4; ++j) {
+              const Vec pj = Vec::set1(pr[t * W + l0 + std::min(j, nl - 1)]);
+              acc[j][0] = fma(pj, v0, acc[j][0]);
+              acc[j][1] = fma(pj, v1, acc[j][1]);
+            }
+          }
+          for (int j = nl - 1; j >= 0; --j) {  // the real rows last, so a repeated row ends right
+            acc[j][0].store(o[j] + c);
+            acc[j][1].store(o[j] + c + W);
+          }
         }
-        for (; c < dim; ++c) {
-          float acc = o[c] * alpha[l];
-          for (int t = 0; t < n; ++t) acc += pr[t * W + l] * vf[t * dim + c];
-          o[c] = acc;
-        }
+        for (int j = 0; j < nl; ++j)  // columns left over (head sizes not a multiple of 2 · W)
+          for (int cc = c; cc < dim; ++cc) {
+            float acc = o[j][cc] * alpha[l0 + j];
+            for (int t = 0; t < kTile; ++t) acc += pr[t * W + l0 + j] * vf[t * dim + cc];
+            o[j][cc] = acc;
+          }
       }
     }
   }
