@@ -195,12 +195,9 @@ template <class T, class M = HostMemory> class PagedKvCache {
 
   explicit PagedKvCache(const CacheConfig& config) : config_(config) {
     if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
+    check_sizes(config);
     layout_ = PageLayout::make(config.shape, config.page_size, sizeof(T));
     layer_stride_ = config.num_pages * layout_.page_stride;
-    const auto max_elements = std::numeric_limits<std::int64_t>::max() / static_cast<std::int64_t>(sizeof(T));
-    if (layer_stride_ > max_elements / config.layers)
-      raise<invalid_argument>(detail::concat("PagedKvCache: ", config.layers, " layers x ", config.num_pages,
-                                             " pages x ", layout_.page_stride, " elements overflow"));
     pool_bytes_ = static_cast<std::size_t>(layer_stride_ * config.layers) * sizeof(T);
     refcount_.assign(static_cast<std::size_t>(config.num_pages), 0);
     free_.reserve(static_cast<std::size_t>(config.num_pages));  // never reallocates: frees cannot throw
@@ -211,7 +208,20 @@ template <class T, class M = HostMemory> class PagedKvCache {
 
   PagedKvCache(const PagedKvCache&) = delete;
   PagedKvCache& operator=(const PagedKvCache&) = delete;
-  PagedKvCache(PagedKvCache&& other) noexcept { swap(other); }
+  /// A moved-from cache holds no pages and no sequences: appends fail with capacity_error, and
+  /// it may be assigned to or destroyed.
+  PagedKvCache(PagedKvCache&& other) noexcept
+      : config_(other.config_), layout_(other.layout_), layer_stride_(other.layer_stride_), pool_(other.pool_),
+        pool_bytes_(other.pool_bytes_), refcount_(std::move(other.refcount_)), free_(std::move(other.free_)),
+        seqs_(std::move(other.seqs_)), next_id_(other.next_id_) {
+    other.pool_ = nullptr;
+    other.pool_bytes_ = 0;
+    other.config_.num_pages = 0;
+    other.layer_stride_ = 0;
+    other.refcount_.clear();
+    other.free_.clear();
+    other.seqs_.clear();
+  }
   PagedKvCache& operator=(PagedKvCache&& other) noexcept {
     if (this != &other) {
       PagedKvCache gone(std::move(other));
@@ -249,36 +259,12 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// Reserves n more tokens at the end of `seq` and writes where each one goes, in order, to
   /// slots [n] (unless it is null). Takes new pages from the pool, and a private copy of a
   /// shared, partly filled last page.
-  void append(SeqId seq, std::int64_t n, Slot* slots) {
-    Sequence& s = get(seq, "append");
-    if (n <= 0) raise<invalid_argument>(detail::concat("append(seq=", seq, ", n=", n, "): n must be positive"));
-    const std::int64_t P = config_.page_size;
-    const std::int64_t capacity = config_.num_pages * P;
-    if (n > capacity - s.length)
-      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): ", s.length, " + ", n,
-                                           " tokens exceed the pool's ", capacity));
-    const std::int64_t have = static_cast<std::int64_t>(s.pages.size());
-    const std::int64_t need = (s.length + n + P - 1) / P;
-    const bool copy_last = s.length % P != 0 && refcount_[page_index(s.pages.back())] > 1;
-    const std::int64_t new_pages = need - have + (copy_last ? 1 : 0);
-    if (new_pages > static_cast<std::int64_t>(free_.size()))
-      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): needs ", new_pages, " free page",
-                                           new_pages == 1 ? "" : "s", ", the pool has ", free_.size(), " of ",
-                                           config_.num_pages));
-    if (static_cast<std::size_t>(need) > s.pages.capacity())  // grow geometrically: appends stay O(1)
-      s.pages.reserve(std::max(static_cast<std::size_t>(need), 2 * s.pages.capacity()));
-    // Nothing below throws.
-    if (copy_last) make_private(s, have - 1);
-    for (std::int64_t i = have; i < need; ++i) s.pages.push_back(take_page());
-    if (slots != nullptr)
-      for (std::int64_t t = s.length; t < s.length + n; ++t)
-        *slots++ = Slot{s.pages[static_cast<std::size_t>(t / P)], static_cast<std::int32_t>(t % P)};
-    s.length += n;
-  }
+  void append(SeqId seq, std::int64_t n, Slot* slots) { commit_append(plan_append(seq, n), slots); }
   /// As above, returning the slots.
   std::vector<Slot> append(SeqId seq, std::int64_t n) {
-    std::vector<Slot> slots(static_cast<std::size_t>(std::max<std::int64_t>(n, 0)));
-    append(seq, n, slots.data());
+    const AppendPlan plan = plan_append(seq, n);  // every check first: no allocation for a request that fails
+    std::vector<Slot> slots(static_cast<std::size_t>(n));
+    commit_append(plan, slots.data());
     return slots;
   }
 
@@ -497,6 +483,72 @@ template <class T, class M = HostMemory> class PagedKvCache {
   };
 
   static std::size_t page_index(PageId p) noexcept { return static_cast<std::size_t>(p); }
+
+  /// Sizes whose element counts or bytes would not fit in 64 bits are rejected up front. Padding
+  /// adds less than one cache line to each head block (GQA) or page (MLA), which bounds page_stride.
+  static void check_sizes(const CacheConfig& c) {
+    using I = std::int64_t;
+    const auto mul = [](I a, I b, I& out) {
+      if (a != 0 && b > std::numeric_limits<I>::max() / a) return false;
+      out = a * b;
+      return true;
+    };
+    const I line = static_cast<I>(kAlignment / sizeof(T));
+    I blocks = 1, width = 0;
+    if (const auto* g = std::get_if<GqaShape>(&c.shape)) {
+      blocks = I{2} * g->kv_heads;
+      width = g->head_dim;
+    } else {
+      const MlaShape& m = std::get<MlaShape>(c.shape);
+      width = I{m.latent_dim} + m.rope_dim;
+    }
+    I block = 0, stride = 0, layer = 0, pool = 0, bytes = 0;
+    const bool ok = mul(c.page_size, width, block) && block <= std::numeric_limits<I>::max() - line &&
+                    mul(blocks, block + line, stride) && mul(stride, c.num_pages, layer) && mul(layer, c.layers, pool) &&
+                    mul(pool, static_cast<I>(sizeof(T)), bytes);
+    if (!ok)
+      raise<invalid_argument>(detail::concat("PagedKvCache: layers=", c.layers, " page_size=", c.page_size,
+                                             " num_pages=", c.num_pages, ": the pool's size would overflow 64 bits"));
+  }
+
+  struct AppendPlan {
+    Sequence* s;
+    std::int64_t n, have, need;
+    bool copy_last;
+  };
+  /// Every check of append(seq, n); changes nothing.
+  AppendPlan plan_append(SeqId seq, std::int64_t n) {
+    Sequence& s = get(seq, "append");
+    if (n <= 0) raise<invalid_argument>(detail::concat("append(seq=", seq, ", n=", n, "): n must be positive"));
+    const std::int64_t P = config_.page_size;
+    const std::int64_t capacity = config_.num_pages * P;
+    if (n > capacity - s.length)
+      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): ", s.length, " + ", n,
+                                           " tokens exceed the pool's ", capacity));
+    const std::int64_t have = static_cast<std::int64_t>(s.pages.size());
+    const std::int64_t need = (s.length + n + P - 1) / P;
+    const bool copy_last = s.length % P != 0 && refcount_[page_index(s.pages.back())] > 1;
+    const std::int64_t new_pages = need - have + (copy_last ? 1 : 0);
+    if (new_pages > static_cast<std::int64_t>(free_.size()))
+      raise<capacity_error>(detail::concat("append(seq=", seq, ", n=", n, "): needs ", new_pages, " free page",
+                                           new_pages == 1 ? "" : "s", ", the pool has ", free_.size(), " of ",
+                                           config_.num_pages));
+    return AppendPlan{&s, n, have, need, copy_last};
+  }
+  /// Carries out a checked append; only the page table's growth can throw (std::bad_alloc), first.
+  void commit_append(const AppendPlan& a, Slot* slots) {
+    Sequence& s = *a.s;
+    const std::int64_t P = config_.page_size;
+    if (static_cast<std::size_t>(a.need) > s.pages.capacity())  // grow geometrically: appends stay O(1)
+      s.pages.reserve(std::max(static_cast<std::size_t>(a.need), 2 * s.pages.capacity()));
+    // Nothing below throws.
+    if (a.copy_last) make_private(s, a.have - 1);
+    for (std::int64_t i = a.have; i < a.need; ++i) s.pages.push_back(take_page());
+    if (slots != nullptr)
+      for (std::int64_t t = s.length; t < s.length + a.n; ++t)
+        *slots++ = Slot{s.pages[static_cast<std::size_t>(t / P)], static_cast<std::int32_t>(t % P)};
+    s.length += a.n;
+  }
 
   Sequence& get(SeqId seq, const char* op) {
     auto it = seqs_.find(seq);
