@@ -254,7 +254,7 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
   std::int64_t floats = 0;
   for (int b = 0; b < kv.batch; ++b) {
     const std::int64_t L = kv.length(b);
-    const std::int64_t chunks = std::max<std::int64_t>(1, (L + chunk - 1) / chunk);
+    const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;  // (no L + chunk: chunk may be INT64_MAX)
     for (int h = 0; h < shape.kv_heads; ++h)
       for (std::int64_t c = 0; c < chunks; ++c) {
         const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
