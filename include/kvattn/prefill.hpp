@@ -159,23 +159,23 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
         }
       }
       // Online softmax for W rows at once.
-      Vec m_old = Vec::load(mrow + r0), m_new = m_old;
+      const Vec m_old = Vec::load(mrow + r0);
+      Vec m_new = m_old;
       for (int t = 0; t < kTile; ++t) m_new = max(m_new, s[t]);
-      float mn[W], mo[W], alpha[W], shift[W];
-      m_new.store(mn);
-      m_old.store(mo);
-      for (int l = 0; l < W; ++l) {  // a row that has seen nothing yet shifts by 0: no -inf - -inf
-        alpha[l] = mo[l] == kNegInf ? 0.0f : std::exp(mo[l] - mn[l]);
-        shift[l] = mn[l] == kNegInf ? 0.0f : mn[l];
-      }
-      const Vec sh = Vec::load(shift);
+      // α = exp(m_old - m_new) is 0 for a row that had seen nothing (m_old = -inf, also when
+      // m_new is: simd exp maps NaN to 0); a row that still sees nothing shifts by the lowest
+      // finite float instead of -inf, so its probabilities are exp(-inf) = 0, never NaN.
+      const Vec a = exp(m_old - m_new);
+      const Vec shift = max(m_new, Vec::set1(std::numeric_limits<float>::lowest()));
+      float alpha[W];
+      a.store(alpha);
       Vec sum = Vec::zero();
       for (int t = 0; t < kTile; ++t) {
-        const Vec e = exp(s[t] - sh);
+        const Vec e = exp(s[t] - shift);
         e.store(pr + t * W);
         sum = sum + e;
       }
-      fma(Vec::load(drow + r0), Vec::load(alpha), sum).store(drow + r0);
+      fma(Vec::load(drow + r0), a, sum).store(drow + r0);
       m_new.store(mrow + r0);
       // o_r = α_r · o_r + Σ_t p[t][r] · v_t, 4 rows × 2 vectors of columns in registers at once.
       const int nrow = std::min(W, rows - r0);

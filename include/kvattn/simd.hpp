@@ -43,14 +43,15 @@ template <> struct Vec<isa::scalar> {
   friend Vec operator+(Vec a, Vec b) noexcept { return {a.v + b.v}; }
   friend Vec operator-(Vec a, Vec b) noexcept { return {a.v - b.v}; }
   friend Vec max(Vec a, Vec b) noexcept { return {a.v > b.v ? a.v : b.v}; }
-  friend Vec exp(Vec a) noexcept { return {std::exp(a.v)}; }
+  friend Vec exp(Vec a) noexcept { return {a.v >= -87.0f ? std::exp(a.v) : 0.0f}; }  // as the SIMD ones: NaN -> 0
   float reduce_add() const noexcept { return v; }
   float reduce_max() const noexcept { return v; }
 };
 
 namespace detail {
 // exp(x) for x <= 0 (softmax arguments): 2^(x·log2 e) split as 2^k · 2^f, f in [-0.5, 0.5],
-// 2^f by a degree-6 polynomial (relative error below 2e-7); x below -87 gives 0.
+// 2^f by a degree-6 polynomial (relative error below 2e-7); x below -87, and NaN, give 0 (in
+// every Vec, the scalar one included).
 constexpr float kLog2e = 1.44269504088896341f;
 constexpr float kExpPoly[7] = {1.0f, 0.693147182f, 0.240226507f, 0.0555041087f, 0.00961812911f, 0.00133335581f, 0.000154035304f};
 }  // namespace detail
