@@ -169,6 +169,17 @@ const std::uint16_t* pool_storage() {
   return storage.get();
 }
 
+/// Whether the pool could be allocated; if not, the benchmark is skipped with the reason.
+bool have_pool(benchmark::State& state) {
+  try {
+    pool_storage();
+    return true;
+  } catch (const std::bad_alloc&) {
+    state.SkipWithError(("cannot allocate the " + mib(kMaxCacheBytes) + " pool").c_str());
+    return false;
+  }
+}
+
 /// Page tables of `batch` sequences of `ctx` tokens over disjoint runs of the pool's pages (in
 /// ascending order, as a fresh cache hands them out), enough tables to cover twice the
 /// last-level cache as far as the pool allows, at least one.
@@ -233,6 +244,7 @@ template <class T> struct Setup {
 // ---- kvattn ------------------------------------------------------------------------------------
 
 template <class T> void bm_kvattn(benchmark::State& state, GqaShape shape) {
+  if (!have_pool(state)) return;
   Setup<T> s(state, shape);
   std::vector<float> lse(static_cast<std::size_t>(s.batch * shape.q_heads));
   kvattn::DecodeParams params;
@@ -306,6 +318,7 @@ void eigen_decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* 
 }
 
 template <class T> void bm_eigen(benchmark::State& state, GqaShape shape) {
+  if (!have_pool(state)) return;
   Setup<T> s(state, shape);
   std::vector<EigenScratch> scratch(static_cast<std::size_t>(s.threads));
   for (EigenScratch& e : scratch) e.reserve(s.ctx, shape.head_dim);

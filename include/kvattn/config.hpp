@@ -81,6 +81,12 @@
 #define KVATTN_END_TARGET_NAMESPACE }
 
 #if defined(__GNUC__) || defined(__clang__)
+/// A hint to bring the cache line at p into every cache level for reading; never faults.
+#define KVATTN_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+#else
+#define KVATTN_PREFETCH(p) ((void)(p))
+#endif
+#if defined(__GNUC__) || defined(__clang__)
 #define KVATTN_ALWAYS_INLINE inline __attribute__((always_inline))
 #define KVATTN_RESTRICT __restrict__
 #else

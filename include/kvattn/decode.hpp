@@ -79,6 +79,90 @@ inline constexpr int kDecodeTile = 16;
 /// Query rows whose accumulators stay in registers together.
 inline constexpr int kDecodeRowBlock = 8;
 
+/// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
+/// accumulators stay in registers). qr[r]: the row's query [dim]; qpos[r]: its position;
+/// o[r]: its partial output [dim + 2].
+template <class Isa, int D, int NR, class V, class T>
+KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* values, const T* const* ahead, int n_ahead, std::int64_t value_minus_key, int n, std::int64_t t0, int dim,
+                                      const float* const* qr, const std::int64_t* qpos, float* const* o, float scale,
+                                      const DecodeParams& p) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes;
+  const int full = dim / W, tail = dim % W;
+  float s[NR][kDecodeTile];
+  for (int t = 0; t < n; ++t) {
+    if (t < n_ahead) {  // the next tile's rows, one token per token of this tile
+      const char* k = reinterpret_cast<const char*>(ahead[t]);
+      const char* v = reinterpret_cast<const char*>(ahead[t] + value_minus_key);
+      for (int b = 0; b < dim * static_cast<int>(sizeof(T)); b += 64) {
+        KVATTN_PREFETCH(k + b);
+        KVATTN_PREFETCH(v + b);
+      }
+    }
+    Vec acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = Vec::zero();
+    for (int c = 0; c < full; ++c) {
+      const Vec k = Vec::load(keys[t] + c * W);
+      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + c * W), k, acc[r]);
+    }
+    if (tail) {
+      const Vec k = Vec::load_partial(keys[t] + full * W, tail);
+      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + full * W, tail), k, acc[r]);
+    }
+    const std::int64_t pos = t0 + t;
+    for (int r = 0; r < NR; ++r) {
+      float score = acc[r].reduce_add() * scale;
+      if constexpr (V::soft_cap) score = p.soft_cap * std::tanh(score / p.soft_cap);
+      bool visible = pos <= qpos[r];
+      if constexpr (V::sliding_window) visible = visible && pos > qpos[r] - p.window;
+      s[r][t] = visible ? score : -std::numeric_limits<float>::infinity();
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    float* out = o[r];
+    float tile_max = -std::numeric_limits<float>::infinity();
+    for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[r][t]);
+    const float m_old = out[dim];
+    const float m_new = std::max(m_old, tile_max);
+    if (m_new == -std::numeric_limits<float>::infinity()) {
+      for (int t = 0; t < n; ++t) s[r][t] = 0.0f;
+      continue;
+    }
+    const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
+    float sum = 0.0f;
+    int t = 0;
+    for (; t + W <= n; t += W) {
+      const Vec e = exp(Vec::load(&s[r][t]) - Vec::set1(m_new));
+      e.store(&s[r][t]);
+      sum += e.reduce_add();
+    }
+    for (; t < n; ++t) {
+      s[r][t] = std::exp(s[r][t] - m_new);
+      sum += s[r][t];
+    }
+    out[dim] = m_new;
+    out[dim + 1] = out[dim + 1] * alpha + sum;
+    if (alpha != 1.0f)
+      for (int c = 0; c < dim; ++c) out[c] *= alpha;
+  }
+  for (int c = 0; c <= full; ++c) {
+    const int width = c < full ? W : tail;
+    if (width == 0) break;
+    Vec acc[NR];
+    for (int r = 0; r < NR; ++r) acc[r] = width == W ? Vec::load(o[r] + c * W) : Vec::load_partial(o[r] + c * W, width);
+    for (int t = 0; t < n; ++t) {
+      const Vec v = width == W ? Vec::load(values[t] + c * W) : Vec::load_partial(values[t] + c * W, width);
+      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::set1(s[r][t]), v, acc[r]);
+    }
+    for (int r = 0; r < NR; ++r) {
+      if (width == W)
+        acc[r].store(o[r] + c * W);
+      else
+        acc[r].store_partial(o[r] + c * W, width);
+    }
+  }
+}
+
 /// One work item: query rows [rows] of one (sequence, KV head) against key positions
 /// [begin, end). Writes the normalized partial output [rows][D] and {m, d} per row to `part`
 /// ([rows][D + 2]). D is the head size (0: read it from the layout at run time).
@@ -86,10 +170,7 @@ template <class Isa, int D, class V, class T>
 void decode_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t begin, std::int64_t end, const float* q,
                  int rows, int group, int Q, std::int64_t q_row_stride, float scale, const DecodeParams& p,
                  float* part) noexcept {
-  using Vec = simd::Vec<Isa>;
-  constexpr int W = Vec::lanes;
   const int dim = D > 0 ? D : kv.layout.head_dim;
-  const int full = dim / W, tail = dim % W;
   const std::int64_t length = kv.length(seq);
   const std::int64_t stride = dim + 2;
   const int P = kv.layout.page_size;
@@ -103,103 +184,65 @@ void decode_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t be
   }
   const T* keys[kDecodeTile];
   const T* values[kDecodeTile];
-  float s[kDecodeRowBlock][kDecodeTile];
+  const float* qr[kDecodeRowBlock];
+  std::int64_t qpos[kDecodeRowBlock];
+  float* o[kDecodeRowBlock];
+  std::int64_t page = begin / P;  // where t0 is: page index in the table, slot in the page
+  int slot = static_cast<int>(begin % P);
+  const std::int64_t key_offset = kv.layout.key(kv_head, 0), value_offset = kv.layout.value(kv_head, 0);
 
+  const T* ahead[kDecodeTile];  // keys of the next tile, prefetched during this one
   for (std::int64_t t0 = begin; t0 < end; t0 += kDecodeTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kDecodeTile, end - t0));
-    for (int t = 0; t < n; ++t) {
-      const std::int64_t pos = t0 + t;
-      const T* page = kv.page(pages[pos / P]);
-      const int slot = static_cast<int>(pos % P);
-      keys[t] = page + kv.layout.key(kv_head, slot);
-      values[t] = page + kv.layout.value(kv_head, slot);
+    for (int t = 0; t < n; ++t) {  // no division per token: walk (page, slot)
+      const T* base = kv.page(pages[page]) + std::int64_t{slot} * dim;
+      keys[t] = base + key_offset;
+      values[t] = base + value_offset;
+      if (++slot == P) {
+        slot = 0;
+        ++page;
+      }
+    }
+    const int n_ahead = static_cast<int>(std::max<std::int64_t>(0, std::min<std::int64_t>(kDecodeTile, end - t0 - kDecodeTile)));
+    {
+      std::int64_t pp = page;
+      int ps = slot;
+      for (int t = 0; t < n_ahead; ++t) {
+        ahead[t] = kv.page(pages[pp]) + std::int64_t{ps} * dim + key_offset;
+        if (++ps == P) {
+          ps = 0;
+          ++pp;
+        }
+      }
     }
     for (int r0 = 0; r0 < rows; r0 += kDecodeRowBlock) {
       const int nr = std::min(kDecodeRowBlock, rows - r0);
-      // Scores: s[r][t] = scale · q_r · k_t, masked.
-      for (int t = 0; t < n; ++t) {
-        Vec acc[kDecodeRowBlock];
-        for (int r = 0; r < nr; ++r) acc[r] = Vec::zero();
-        for (int c = 0; c < full; ++c) {
-          const Vec k = Vec::load(keys[t] + c * W);
-          for (int r = 0; r < nr; ++r) {
-            const int row = r0 + r;
-            const float* qr = q + (row / group) * q_row_stride + (row % group) * std::int64_t{dim};
-            acc[r] = fma(Vec::load(qr + c * W), k, acc[r]);
-          }
-        }
-        if (tail) {
-          const Vec k = Vec::load_partial(keys[t] + full * W, tail);
-          for (int r = 0; r < nr; ++r) {
-            const int row = r0 + r;
-            const float* qr = q + (row / group) * q_row_stride + (row % group) * std::int64_t{dim};
-            acc[r] = fma(Vec::load_partial(qr + full * W, tail), k, acc[r]);
-          }
-        }
-        const std::int64_t pos = t0 + t;
-        for (int r = 0; r < nr; ++r) {
-          const std::int64_t qpos = length - Q + (r0 + r) / group;  // the query's own position
-          float score = acc[r].reduce_add() * scale;
-          if constexpr (V::soft_cap) score = p.soft_cap * std::tanh(score / p.soft_cap);
-          bool visible = pos <= qpos;
-          if constexpr (V::sliding_window) visible = visible && pos > qpos - p.window;
-          s[r][t] = visible ? score : -std::numeric_limits<float>::infinity();
-        }
-      }
-      // Online softmax: rescale what came before, then add this tile's probabilities · values.
       for (int r = 0; r < nr; ++r) {
-        float* o = part + (r0 + r) * stride;
-        float tile_max = -std::numeric_limits<float>::infinity();
-        for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[r][t]);
-        const float m_old = o[dim];
-        const float m_new = std::max(m_old, tile_max);
-        if (m_new == -std::numeric_limits<float>::infinity()) {  // nothing visible yet
-          for (int t = 0; t < n; ++t) s[r][t] = 0.0f;
-          continue;
-        }
-        const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
-        float sum = 0.0f;
-        int t = 0;
-        for (; t + W <= n; t += W) {
-          const Vec e = exp(Vec::load(&s[r][t]) - Vec::set1(m_new));
-          e.store(&s[r][t]);
-          sum += e.reduce_add();
-        }
-        for (; t < n; ++t) {
-          s[r][t] = std::exp(s[r][t] - m_new);
-          sum += s[r][t];
-        }
-        o[dim] = m_new;
-        o[dim + 1] = o[dim + 1] * alpha + sum;
-        if (alpha != 1.0f)
-          for (int c = 0; c < dim; ++c) o[c] *= alpha;
+        const int row = r0 + r, i = row / group;
+        qr[r] = q + i * q_row_stride + (row - i * group) * std::int64_t{dim};
+        qpos[r] = length - Q + i;
+        o[r] = part + row * stride;
       }
-      // o_r += Σ_t p[r][t] · v_t, one W-wide column block of all rows at a time.
-      for (int c = 0; c <= full; ++c) {
-        const int width = c < full ? W : tail;
-        if (width == 0) break;
-        Vec acc[kDecodeRowBlock];
-        for (int r = 0; r < nr; ++r)
-          acc[r] = width == W ? Vec::load(part + (r0 + r) * stride + c * W)
-                              : Vec::load_partial(part + (r0 + r) * stride + c * W, width);
-        for (int t = 0; t < n; ++t) {
-          const Vec v = width == W ? Vec::load(values[t] + c * W) : Vec::load_partial(values[t] + c * W, width);
-          for (int r = 0; r < nr; ++r) acc[r] = fma(Vec::set1(s[r][t]), v, acc[r]);
-        }
-        for (int r = 0; r < nr; ++r) {
-          if (width == W)
-            acc[r].store(part + (r0 + r) * stride + c * W);
-          else
-            acc[r].store_partial(part + (r0 + r) * stride + c * W, width);
-        }
+      switch (nr) {
+#define KVATTN_DECODE_TILE_CASE(NR) \
+  case NR: decode_tile<Isa, D, NR, V>(keys, values, ahead, r0 == 0 ? n_ahead : 0, value_offset - key_offset, n, t0, dim, qr, qpos, o, scale, p); break;
+        KVATTN_DECODE_TILE_CASE(1)
+        KVATTN_DECODE_TILE_CASE(2)
+        KVATTN_DECODE_TILE_CASE(3)
+        KVATTN_DECODE_TILE_CASE(4)
+        KVATTN_DECODE_TILE_CASE(5)
+        KVATTN_DECODE_TILE_CASE(6)
+        KVATTN_DECODE_TILE_CASE(7)
+        default: decode_tile<Isa, D, 8, V>(keys, values, ahead, r0 == 0 ? n_ahead : 0, value_offset - key_offset, n, t0, dim, qr, qpos, o, scale, p); break;
+#undef KVATTN_DECODE_TILE_CASE
       }
     }
   }
   for (int r = 0; r < rows; ++r) {  // normalize: o = Σ p v / d
-    float* o = part + r * stride;
-    if (o[dim + 1] > 0.0f) {
-      const float inv = 1.0f / o[dim + 1];
-      for (int c = 0; c < dim; ++c) o[c] *= inv;
+    float* out = part + r * stride;
+    if (out[dim + 1] > 0.0f) {
+      const float inv = 1.0f / out[dim + 1];
+      for (int c = 0; c < dim; ++c) out[c] *= inv;
     }
   }
 }
