@@ -13,6 +13,8 @@
 
 #include <gtest/gtest.h>
 
+#include "cache_snapshot.hpp"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -205,59 +207,9 @@ struct ScalarTarget {
 
 // ---- snapshots of the whole container --------------------------------------------------------
 
-struct Snapshot {
-  std::vector<SeqId> seqs;
-  std::vector<std::int64_t> lengths;
-  std::vector<std::vector<PageId>> pages;
-  std::vector<int> refcounts;  // [num_pages]
-  std::int64_t free_pages = 0;
-  CacheStats stats;
-  std::vector<unsigned char> pool;  // [pool_bytes()]
-};
-
-template <class T> Snapshot snapshot(const Cache<T>& c) {
-  Snapshot s;
-  s.seqs = c.sequences();
-  for (SeqId id : s.seqs) {
-    s.lengths.push_back(c.length(id));
-    s.pages.push_back(c.pages(id));
-  }
-  for (std::int64_t p = 0; p < c.config().num_pages; ++p) s.refcounts.push_back(c.page_refcount(static_cast<PageId>(p)));
-  s.free_pages = c.free_pages();
-  s.stats = c.stats();
-  const auto* bytes = reinterpret_cast<const unsigned char*>(c.data());
-  if (bytes != nullptr) s.pool.assign(bytes, bytes + c.pool_bytes());
-  return s;
-}
-
-constexpr std::pair<const char*, std::int64_t CacheStats::*> kStatsFields[] = {
-    {"pages_total", &CacheStats::pages_total},       {"pages_free", &CacheStats::pages_free},
-    {"pages_used", &CacheStats::pages_used},         {"pages_shared", &CacheStats::pages_shared},
-    {"sequences", &CacheStats::sequences},           {"tokens_logical", &CacheStats::tokens_logical},
-    {"tokens_stored", &CacheStats::tokens_stored},   {"bytes_per_page", &CacheStats::bytes_per_page},
-    {"bytes_reserved", &CacheStats::bytes_reserved}, {"bytes_stored", &CacheStats::bytes_stored},
-    {"bytes_pool", &CacheStats::bytes_pool},         {"bytes_bookkeeping", &CacheStats::bytes_bookkeeping},
-};
-
-::testing::AssertionResult same_state(const Snapshot& a, const Snapshot& b) {
-  if (a.seqs != b.seqs) return ::testing::AssertionFailure() << "the live sequences changed";
-  for (std::size_t i = 0; i < a.seqs.size(); ++i) {
-    if (a.lengths[i] != b.lengths[i])
-      return ::testing::AssertionFailure() << "seq " << a.seqs[i] << ": length " << a.lengths[i] << " -> " << b.lengths[i];
-    if (a.pages[i] != b.pages[i]) return ::testing::AssertionFailure() << "seq " << a.seqs[i] << ": its page table changed";
-  }
-  for (std::size_t p = 0; p < a.refcounts.size(); ++p)
-    if (a.refcounts[p] != b.refcounts[p])
-      return ::testing::AssertionFailure() << "page " << p << ": refcount " << a.refcounts[p] << " -> " << b.refcounts[p];
-  if (a.free_pages != b.free_pages)
-    return ::testing::AssertionFailure() << "free_pages " << a.free_pages << " -> " << b.free_pages;
-  for (const auto& [name, field] : kStatsFields)
-    if (a.stats.*field != b.stats.*field)
-      return ::testing::AssertionFailure() << "stats()." << name << " " << a.stats.*field << " -> " << b.stats.*field;
-  if (a.pool.size() != b.pool.size() || (!a.pool.empty() && std::memcmp(a.pool.data(), b.pool.data(), a.pool.size()) != 0))
-    return ::testing::AssertionFailure() << "the pool's bytes changed";
-  return ::testing::AssertionSuccess();
-}
+using cache_snapshot::same_state;
+using cache_snapshot::Snapshot;
+using cache_snapshot::snapshot;
 
 template <class E> std::string type_name() {
   if (typeid(E) == typeid(kvattn::shape_error)) return "kvattn::shape_error";
