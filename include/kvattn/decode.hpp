@@ -70,6 +70,25 @@ struct DecodeWorkspace {
   }
 };
 
+namespace detail {
+/// The checks decode() and prefill() share: the head layout matches the cache's, and the
+/// scale and the variant's parameters are usable. `op` names the caller in the message.
+template <class V>
+void check_attention_args(const char* op, const GqaShape& shape, const PageLayout& layout, float scale,
+                          std::int64_t window, float soft_cap) {
+  shape.validate();
+  if (layout.content != PageContent::gqa || layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim)
+    raise<shape_error>(concat(op, ": shape kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim,
+                              " does not match the cache's kv_heads=", layout.kv_heads, " head_dim=", layout.head_dim));
+  if (!(std::isfinite(scale) && scale >= 0.0f))
+    raise<invalid_argument>(concat(op, ": scale=", scale, ": must be finite and >= 0 (0: 1/sqrt(head_dim))"));
+  if (V::sliding_window && window < 1)
+    raise<invalid_argument>(concat(op, ": window=", window, ": a sliding window must hold at least 1 token"));
+  if (V::soft_cap && !(soft_cap > 0.0f && std::isfinite(soft_cap)))
+    raise<invalid_argument>(concat(op, ": soft_cap=", soft_cap, ": must be positive and finite"));
+}
+}  // namespace detail
+
 KVATTN_BEGIN_TARGET_NAMESPACE
 namespace decode_impl {  // (not "detail": that name is kvattn::detail's)
 
@@ -256,22 +275,12 @@ void decode_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t be
 template <class V = Plain, class Isa = isa::native, class T, class PF = SerialFor>
 void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, float* out, float* lse,
             const DecodeParams& p, DecodeWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
-  shape.validate();
-  if (kv.layout.content != PageContent::gqa || kv.layout.kv_heads != shape.kv_heads || kv.layout.head_dim != shape.head_dim)
-    raise<shape_error>(detail::concat("decode: shape kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim,
-                                      " does not match the cache's kv_heads=", kv.layout.kv_heads,
-                                      " head_dim=", kv.layout.head_dim));
+  detail::check_attention_args<V>("decode", shape, kv.layout, p.scale, p.window, p.soft_cap);
   if (p.queries_per_seq < 1)
     raise<invalid_argument>(detail::concat("decode: queries_per_seq=", p.queries_per_seq, ": must be positive"));
   if (p.chunk_tokens < 0 || p.threads < 1)
     raise<invalid_argument>(detail::concat("decode: chunk_tokens=", p.chunk_tokens, " threads=", p.threads,
                                            ": chunk_tokens must be >= 0 and threads >= 1"));
-  if (!(std::isfinite(p.scale) && p.scale >= 0.0f))
-    raise<invalid_argument>(detail::concat("decode: scale=", p.scale, ": must be finite and >= 0 (0: 1/sqrt(head_dim))"));
-  if (V::sliding_window && p.window < 1)
-    raise<invalid_argument>(detail::concat("decode: window=", p.window, ": a sliding window must hold at least 1 token"));
-  if (V::soft_cap && !(p.soft_cap > 0.0f && std::isfinite(p.soft_cap)))
-    raise<invalid_argument>(detail::concat("decode: soft_cap=", p.soft_cap, ": must be positive and finite"));
   if (kv.batch > 0 && (q == nullptr || out == nullptr))
     raise<invalid_argument>("decode: q and out must not be null");
 

@@ -231,18 +231,8 @@ template <class V = Plain, class Isa = isa::native, class T, class M, class PF =
 void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seqs, const std::int64_t* q_indptr,
              const GqaShape& shape, const float* q, const float* k, const float* v, float* out, float* lse,
              const PrefillParams& p, PrefillWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
-  shape.validate();
-  const PageLayout& layout = cache.layout();
-  if (layout.content != PageContent::gqa || layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim)
-    raise<shape_error>(detail::concat("prefill: shape kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim,
-                                      " does not match the cache's kv_heads=", layout.kv_heads, " head_dim=", layout.head_dim));
+  detail::check_attention_args<V>("prefill", shape, cache.layout(), p.scale, p.window, p.soft_cap);
   if (p.query_block < 1) raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be positive"));
-  if (!(std::isfinite(p.scale) && p.scale >= 0.0f))
-    raise<invalid_argument>(detail::concat("prefill: scale=", p.scale, ": must be finite and >= 0 (0: 1/sqrt(head_dim))"));
-  if (V::sliding_window && p.window < 1)
-    raise<invalid_argument>(detail::concat("prefill: window=", p.window, ": a sliding window must hold at least 1 token"));
-  if (V::soft_cap && !(p.soft_cap > 0.0f && std::isfinite(p.soft_cap)))
-    raise<invalid_argument>(detail::concat("prefill: soft_cap=", p.soft_cap, ": must be positive and finite"));
   const int batch = static_cast<int>(seqs.size());
   if (q_indptr[0] != 0) raise<invalid_argument>(detail::concat("prefill: q_indptr[0]=", q_indptr[0], ": must be 0"));
   for (int b = 0; b < batch; ++b) {
