@@ -83,8 +83,21 @@
 #if defined(__GNUC__) || defined(__clang__)
 /// A hint to bring the cache line at p into every cache level for reading; never faults.
 #define KVATTN_PREFETCH(p) __builtin_prefetch((p), 0, 3)
+/// A hint to bring the cache line at p into the second-level cache (not the first) for reading:
+/// for streams read once, far enough ahead that the first level could not hold what is in flight.
+#define KVATTN_PREFETCH_L2(p) __builtin_prefetch((p), 0, 1)
 #else
 #define KVATTN_PREFETCH(p) ((void)(p))
+#define KVATTN_PREFETCH_L2(p) ((void)(p))
+#endif
+/// Unrolls the loop that follows completely (a loop over a compile-time count of vector
+/// registers must be unrolled for them to stay registers, at -O2 too).
+#if defined(__clang__)
+#define KVATTN_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define KVATTN_UNROLL _Pragma("GCC unroll 16")
+#else
+#define KVATTN_UNROLL
 #endif
 #if defined(__GNUC__) || defined(__clang__)
 #define KVATTN_ALWAYS_INLINE inline __attribute__((always_inline))

@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "config.hpp"
@@ -57,9 +58,9 @@ struct DecodeParams {
 /// caller and reuse it across steps; it only grows. The fields belong to decode().
 struct DecodeWorkspace {
   struct Item {
-    std::int32_t seq, kv_head;
+    std::int32_t seq;
     std::int64_t begin, end;  ///< key positions [begin, end)
-    std::int64_t partial;     ///< offset of this item's [rows][head_dim + 2] floats in `partial`
+    std::int64_t partial;     ///< offset of this item's [kv_heads][rows][head_dim + 2] floats in `partial`
   };
   std::vector<Item> items;
   std::vector<std::int64_t> first_item;  ///< [batch + 1]: the items of sequence b
@@ -95,170 +96,283 @@ namespace decode_impl {  // (not "detail": that name is kvattn::detail's)
 /// Tokens per tile: keys and values of a tile are loaded from memory once and then reused, from
 /// the L1 cache, by every query row of the group.
 inline constexpr int kDecodeTile = 16;
-/// Query rows whose accumulators stay in registers together.
-inline constexpr int kDecodeRowBlock = 8;
+/// Query rows whose accumulators stay in registers together: two vectors per row in the
+/// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16 (AVX2).
+template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
+/// Tokens of a span (see Span).
+inline constexpr int kDecodeSpan = 64;
+/// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head block.
+inline constexpr int kPrefetchUnits = 2;
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
-/// accumulators stay in registers). qr[r]: the row's query [dim]; qpos[r]: its position;
-/// o[r]: its partial output [dim + 2].
+/// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
+/// keys[t] + value_minus_key; ahead[t] (t < n_ahead): a key row to prefetch (and its value row).
+/// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); qpos[r]: its position;
+/// o[r]: its running output [dim] in pair order, then {m, d}.
+///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
+///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token.
+///   2. Online softmax per row over the tile: new maximum, rescale factor, probabilities.
+///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
+///      token and shared by every row.
 template <class Isa, int D, int NR, class V, class T>
-KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* values, const T* const* ahead, int n_ahead, std::int64_t value_minus_key, int n, std::int64_t t0, int dim,
-                                      const float* const* qr, const std::int64_t* qpos, float* const* o, float scale,
-                                      const DecodeParams& p) noexcept {
+KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, int n_ahead, std::int64_t value_minus_key,
+                                      int n, std::int64_t t0, int dim, const float* const* qr, const std::int64_t* qpos,
+                                      float* const* o, float scale, const DecodeParams& p) noexcept {
   using Vec = simd::Vec<Isa>;
-  constexpr int W = Vec::lanes;
-  const int full = dim / W, tail = dim % W;
-  float s[NR][kDecodeTile];
+  constexpr int W = Vec::lanes, W2 = 2 * W;
+  static_assert(kDecodeTile % W == 0, "a tile is whole vectors of tokens");
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
+  const int rest = pairs * W2;  // where the columns after the pairs start
+
+  // 1. Scores.
+  Vec red[NR][kDecodeTile];
   for (int t = 0; t < n; ++t) {
-    if (t < n_ahead) {  // the next tile's rows, one token per token of this tile
+    if (t < n_ahead) {  // the rows of a later unit, one token per token of this tile
       const char* k = reinterpret_cast<const char*>(ahead[t]);
       const char* v = reinterpret_cast<const char*>(ahead[t] + value_minus_key);
       for (int b = 0; b < dim * static_cast<int>(sizeof(T)); b += 64) {
-        KVATTN_PREFETCH(k + b);
-        KVATTN_PREFETCH(v + b);
+        KVATTN_PREFETCH_L2(k + b);
+        KVATTN_PREFETCH_L2(v + b);
       }
     }
+    const T* key = keys[t];
     Vec acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = Vec::zero();
-    for (int c = 0; c < full; ++c) {
-      const Vec k = Vec::load(keys[t] + c * W);
-      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + c * W), k, acc[r]);
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = Vec::zero();
+    KVATTN_UNROLL for (int c = 0; c < pairs; ++c) {
+      Vec ka, kb;
+      Vec::load_pair(key + c * W2, ka, kb);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+        acc[r] = fma(Vec::load(qr[r] + c * W2), ka, acc[r]);
+        acc[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc[r]);
+      }
+    }
+    for (int c = 0; c < singles; ++c) {
+      const Vec k = Vec::load(key + rest + c * W);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
     }
     if (tail) {
-      const Vec k = Vec::load_partial(keys[t] + full * W, tail);
-      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + full * W, tail), k, acc[r]);
+      const Vec k = Vec::load_partial(key + dim - tail, tail);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + dim - tail, tail), k, acc[r]);
     }
-    const std::int64_t pos = t0 + t;
-    for (int r = 0; r < NR; ++r) {
-      float score = acc[r].reduce_add() * scale;
-      if constexpr (V::soft_cap) score = p.soft_cap * std::tanh(score / p.soft_cap);
-      bool visible = pos <= qpos[r];
-      if constexpr (V::sliding_window) visible = visible && pos > qpos[r] - p.window;
-      s[r][t] = visible ? score : -std::numeric_limits<float>::infinity();
-    }
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = acc[r];
   }
+  for (int t = n; t < kDecodeTile; ++t)
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = Vec::zero();
+
+  // 2. Online softmax. s[r][t]: scores, then probabilities (0 for tokens a row does not see).
+  alignas(64) float s[NR][kDecodeTile];
+  float alpha[NR];
   for (int r = 0; r < NR; ++r) {
+    const Vec vscale = Vec::set1(scale);
+    for (int g = 0; g < kDecodeTile; g += W) (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
+    // The tokens row r sees form one range [lo, hi) of the tile.
+    const std::int64_t last = qpos[r] - t0;  // the last visible token, relative to the tile
+    int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n)), lo = 0;
+    if constexpr (V::sliding_window) lo = static_cast<int>(std::clamp<std::int64_t>(last - p.window + 1, 0, hi));
+    if constexpr (V::soft_cap)
+      for (int t = lo; t < hi; ++t) s[r][t] = p.soft_cap * std::tanh(s[r][t] / p.soft_cap);
+    for (int t = 0; t < lo; ++t) s[r][t] = kNegInf;
+    for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
+
     float* out = o[r];
-    float tile_max = -std::numeric_limits<float>::infinity();
-    for (int t = 0; t < n; ++t) tile_max = std::max(tile_max, s[r][t]);
     const float m_old = out[dim];
+    float tile_max = kNegInf;
+    if (lo < hi) {
+      Vec m = Vec::load(&s[r][0]);
+      for (int g = W; g < kDecodeTile; g += W) m = max(m, Vec::load(&s[r][g]));
+      tile_max = m.reduce_max();
+    }
     const float m_new = std::max(m_old, tile_max);
-    if (m_new == -std::numeric_limits<float>::infinity()) {
-      for (int t = 0; t < n; ++t) s[r][t] = 0.0f;
+    if (m_new == kNegInf) {  // nothing seen yet: no probability, nothing to rescale
+      std::fill(s[r], s[r] + kDecodeTile, 0.0f);
+      alpha[r] = 1.0f;
       continue;
     }
-    const float alpha = m_old == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(m_old - m_new);
-    float sum = 0.0f;
-    int t = 0;
-    for (; t + W <= n; t += W) {
-      const Vec e = exp(Vec::load(&s[r][t]) - Vec::set1(m_new));
-      e.store(&s[r][t]);
-      sum += e.reduce_add();
-    }
-    for (; t < n; ++t) {
-      s[r][t] = std::exp(s[r][t] - m_new);
-      sum += s[r][t];
+    alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
+    Vec sum = Vec::zero();
+    for (int g = 0; g < kDecodeTile; g += W) {
+      const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));  // exp(-inf) = 0
+      e.store(&s[r][g]);
+      sum = sum + e;
     }
     out[dim] = m_new;
-    out[dim + 1] = out[dim + 1] * alpha + sum;
-    if (alpha != 1.0f)
-      for (int c = 0; c < dim; ++c) out[c] *= alpha;
+    out[dim + 1] = out[dim + 1] * alpha[r] + sum.reduce_add();
   }
-  for (int c = 0; c <= full; ++c) {
-    const int width = c < full ? W : tail;
-    if (width == 0) break;
-    Vec acc[NR];
-    for (int r = 0; r < NR; ++r) acc[r] = width == W ? Vec::load(o[r] + c * W) : Vec::load_partial(o[r] + c * W, width);
-    for (int t = 0; t < n; ++t) {
-      const Vec v = width == W ? Vec::load(values[t] + c * W) : Vec::load_partial(values[t] + c * W, width);
-      for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::set1(s[r][t]), v, acc[r]);
+
+  // 3. o = alpha · o + Σ_t p_t v_t.
+  KVATTN_UNROLL for (int c = 0; c < pairs; ++c) {
+    Vec a[NR], b[NR];
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+      const Vec al = Vec::set1(alpha[r]);
+      a[r] = Vec::load(o[r] + c * W2) * al;
+      b[r] = Vec::load(o[r] + c * W2 + W) * al;
     }
-    for (int r = 0; r < NR; ++r) {
+    for (int t = 0; t < n; ++t) {
+      Vec va, vb;
+      Vec::load_pair(keys[t] + value_minus_key + c * W2, va, vb);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+        const Vec pr = Vec::set1(s[r][t]);
+        a[r] = fma(pr, va, a[r]);
+        b[r] = fma(pr, vb, b[r]);
+      }
+    }
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+      a[r].store(o[r] + c * W2);
+      b[r].store(o[r] + c * W2 + W);
+    }
+  }
+  for (int c = rest; c < dim; c += W) {  // whole vectors, then the partial one
+    const int width = std::min(W, dim - c);
+    Vec a[NR];
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r)
+      a[r] = (width == W ? Vec::load(o[r] + c) : Vec::load_partial(o[r] + c, width)) * Vec::set1(alpha[r]);
+    for (int t = 0; t < n; ++t) {
+      const T* value = keys[t] + value_minus_key + c;
+      const Vec v = width == W ? Vec::load(value) : Vec::load_partial(value, width);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) a[r] = fma(Vec::set1(s[r][t]), v, a[r]);
+    }
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
       if (width == W)
-        acc[r].store(o[r] + c * W);
+        a[r].store(o[r] + c);
       else
-        acc[r].store_partial(o[r] + c * W, width);
+        a[r].store_partial(o[r] + c, width);
     }
   }
 }
 
-/// One work item: query rows [rows] of one (sequence, KV head) against key positions
-/// [begin, end). Writes the normalized partial output [rows][D] and {m, d} per row to `part`
-/// ([rows][D + 2]). D is the head size (0: read it from the layout at run time).
-template <class Isa, int D, class V, class T>
-void decode_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t begin, std::int64_t end, const float* q,
-                 int rows, int group, int Q, std::int64_t q_row_stride, float scale, const DecodeParams& p,
-                 float* part) noexcept {
-  const int dim = D > 0 ? D : kv.layout.head_dim;
-  const std::int64_t length = kv.length(seq);
-  const std::int64_t stride = dim + 2;
-  const int P = kv.layout.page_size;
-  const std::int32_t* pages = kv.indices + kv.indptr[seq];
+/// Up to kDecodeSpan consecutive tokens of one sequence: where each token's row starts in its
+/// page (add PageLayout::key(h, 0) or value(h, 0) for KV head h). A span never crosses a page
+/// boundary when pages hold kDecodeTile tokens or more, so it is one run of each head block.
+template <class T> struct Span {
+  std::int64_t t0 = 0;  ///< position of the first token
+  int n = 0;            ///< tokens, 0: none
+  const T* token[kDecodeSpan];
+};
 
-  for (int r = 0; r < rows; ++r) {  // start empty
-    float* o = part + r * stride;
-    std::fill(o, o + dim, 0.0f);
-    o[dim] = -std::numeric_limits<float>::infinity();
-    o[dim + 1] = 0.0f;
-  }
-  const T* keys[kDecodeTile];
-  const T* values[kDecodeTile];
-  const float* qr[kDecodeRowBlock];
-  std::int64_t qpos[kDecodeRowBlock];
-  float* o[kDecodeRowBlock];
-  std::int64_t page = begin / P;  // where t0 is: page index in the table, slot in the page
-  int slot = static_cast<int>(begin % P);
-  const std::int64_t key_offset = kv.layout.key(kv_head, 0), value_offset = kv.layout.value(kv_head, 0);
+/// Walks a sequence's page table from a position on, without a division per token.
+template <class T> struct SpanWalker {
+  const PagedKvView<T>* kv;
+  const std::int32_t* pages;  ///< the sequence's page ids
+  std::int64_t t, end;        ///< next position, end of the range
+  std::int64_t page;          ///< index of t's page in `pages`
+  int slot;                   ///< t's slot in that page
 
-  const T* ahead[kDecodeTile];  // keys of the next tile, prefetched during this one
-  for (std::int64_t t0 = begin; t0 < end; t0 += kDecodeTile) {
-    const int n = static_cast<int>(std::min<std::int64_t>(kDecodeTile, end - t0));
-    for (int t = 0; t < n; ++t) {  // no division per token: walk (page, slot)
-      const T* base = kv.page(pages[page]) + std::int64_t{slot} * dim;
-      keys[t] = base + key_offset;
-      values[t] = base + value_offset;
+  SpanWalker(const PagedKvView<T>& view, int seq, std::int64_t begin, std::int64_t end_) noexcept
+      : kv(&view), pages(view.indices + view.indptr[seq]), t(begin), end(end_),
+        page(begin / view.layout.page_size), slot(static_cast<int>(begin % view.layout.page_size)) {}
+
+  /// The next span (n = 0 past the end).
+  void next(Span<T>& s) noexcept {
+    const int P = kv->layout.page_size, dim = kv->layout.head_dim;
+    const std::int64_t room = P >= kDecodeTile ? std::min(kDecodeSpan, P - slot) : kDecodeTile;
+    s.t0 = t;
+    s.n = static_cast<int>(std::min(room, end - t));
+    for (int i = 0; i < s.n; ++i) {
+      s.token[i] = kv->page(pages[page]) + std::int64_t{slot} * dim;
       if (++slot == P) {
         slot = 0;
         ++page;
       }
     }
-    const int n_ahead = static_cast<int>(std::max<std::int64_t>(0, std::min<std::int64_t>(kDecodeTile, end - t0 - kDecodeTile)));
-    {
-      std::int64_t pp = page;
-      int ps = slot;
-      for (int t = 0; t < n_ahead; ++t) {
-        ahead[t] = kv.page(pages[pp]) + std::int64_t{ps} * dim + key_offset;
-        if (++ps == P) {
-          ps = 0;
-          ++pp;
+    t += s.n;
+  }
+};
+
+/// One work item: every query row of one sequence against its key positions [begin, end).
+/// The keys are walked span by span and, within a span, KV head by KV head: the order in which
+/// they lie in a page (PageLayout: [K, V][kv_heads][page_size][dim]), so the reads of a step are
+/// long runs of neighbouring bytes, and the span kPrefetchUnits (span, head) units ahead is
+/// prefetched meanwhile. Writes the normalized partial output and {m, d} of every row to `part`:
+/// [kv_heads][rows][D + 2], rows = group · Q (row r: query i = r / group, head h·group + r % group).
+/// D is the head size (0: read it from the layout at run time).
+template <class Isa, int D, class V, class T>
+void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int64_t end, const float* q, int group,
+                 int Q, std::int64_t q_row_stride, float scale, const DecodeParams& p, float* part,
+                 float* q_scratch) noexcept {
+  const int dim = D > 0 ? D : kv.layout.head_dim;
+  const int H = kv.layout.kv_heads, rows = group * Q;
+  const std::int64_t length = kv.length(seq);
+  const std::int64_t stride = dim + 2;
+  constexpr int kRowBlock = decode_row_block<Isa>();
+
+  for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {  // start empty
+    float* o = part + r * stride;
+    std::fill(o, o + dim, 0.0f);
+    o[dim] = -std::numeric_limits<float>::infinity();
+    o[dim + 1] = 0.0f;
+  }
+  if (begin >= end) return;
+  // The queries in the order keys and values are converted in: [kv_heads][rows][dim].
+  for (int h = 0; h < H; ++h)
+    for (int row = 0; row < rows; ++row) {
+      const int i = row / group;
+      simd::to_pair_order<Isa, T>(q + i * q_row_stride + (std::int64_t{h} * group + (row - i * group)) * dim,
+                                  q_scratch + (std::int64_t{h} * rows + row) * dim, dim);
+    }
+
+  const T* keys[kDecodeTile];
+  const T* ahead[kDecodeTile];
+  const float* qr[kRowBlock];
+  std::int64_t qpos[kRowBlock];
+  float* o[kRowBlock];
+  const int lookahead = std::min(kPrefetchUnits, H);  // in (span, head) units; < 2 spans
+  const std::int64_t value_minus_key = kv.layout.value(0, 0) - kv.layout.key(0, 0);
+
+  Span<T> spans[2];
+  Span<T>* cur = &spans[0];
+  Span<T>* nxt = &spans[1];
+  SpanWalker<T> walker(kv, seq, begin, end);
+  walker.next(*cur);
+  while (cur->n > 0) {
+    walker.next(*nxt);
+    for (int h = 0; h < H; ++h) {
+      const std::int64_t key_offset = kv.layout.key(h, 0);
+      int hp = h + lookahead;  // the unit to prefetch: (cur, hp) or (nxt, hp - H)
+      const Span<T>* sp = cur;
+      if (hp >= H) {
+        hp -= H;
+        sp = nxt;
+      }
+      const std::int64_t ahead_offset = kv.layout.key(hp, 0);
+      for (int i0 = 0; i0 < cur->n; i0 += kDecodeTile) {
+        const int n = std::min(kDecodeTile, cur->n - i0);
+        for (int t = 0; t < n; ++t) keys[t] = cur->token[i0 + t] + key_offset;
+        const int n_ahead = std::max(0, std::min(n, sp->n - i0));
+        for (int t = 0; t < n_ahead; ++t) ahead[t] = sp->token[i0 + t] + ahead_offset;
+        for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+          const int nr = std::min(kRowBlock, rows - r0);
+          for (int r = 0; r < nr; ++r) {
+            const int row = r0 + r;
+            qr[r] = q_scratch + (std::int64_t{h} * rows + row) * dim;
+            qpos[r] = length - Q + row / group;
+            o[r] = part + (std::int64_t{h} * rows + row) * stride;
+          }
+          const int na = r0 == 0 ? n_ahead : 0;
+          switch (nr) {
+#define KVATTN_DECODE_TILE_CASE(NR) \
+  case NR:                          \
+    if constexpr (NR < kRowBlock)   \
+      decode_tile<Isa, D, NR, V>(keys, ahead, na, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
+    break;
+            KVATTN_DECODE_TILE_CASE(1)
+            KVATTN_DECODE_TILE_CASE(2)
+            KVATTN_DECODE_TILE_CASE(3)
+            KVATTN_DECODE_TILE_CASE(4)
+            KVATTN_DECODE_TILE_CASE(5)
+            KVATTN_DECODE_TILE_CASE(6)
+            KVATTN_DECODE_TILE_CASE(7)
+            default: decode_tile<Isa, D, kRowBlock, V>(keys, ahead, na, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
+#undef KVATTN_DECODE_TILE_CASE
+          }
         }
       }
     }
-    for (int r0 = 0; r0 < rows; r0 += kDecodeRowBlock) {
-      const int nr = std::min(kDecodeRowBlock, rows - r0);
-      for (int r = 0; r < nr; ++r) {
-        const int row = r0 + r, i = row / group;
-        qr[r] = q + i * q_row_stride + (row - i * group) * std::int64_t{dim};
-        qpos[r] = length - Q + i;
-        o[r] = part + row * stride;
-      }
-      switch (nr) {
-#define KVATTN_DECODE_TILE_CASE(NR) \
-  case NR: decode_tile<Isa, D, NR, V>(keys, values, ahead, r0 == 0 ? n_ahead : 0, value_offset - key_offset, n, t0, dim, qr, qpos, o, scale, p); break;
-        KVATTN_DECODE_TILE_CASE(1)
-        KVATTN_DECODE_TILE_CASE(2)
-        KVATTN_DECODE_TILE_CASE(3)
-        KVATTN_DECODE_TILE_CASE(4)
-        KVATTN_DECODE_TILE_CASE(5)
-        KVATTN_DECODE_TILE_CASE(6)
-        KVATTN_DECODE_TILE_CASE(7)
-        default: decode_tile<Isa, D, 8, V>(keys, values, ahead, r0 == 0 ? n_ahead : 0, value_offset - key_offset, n, t0, dim, qr, qpos, o, scale, p); break;
-#undef KVATTN_DECODE_TILE_CASE
-      }
-    }
+    std::swap(cur, nxt);
   }
-  for (int r = 0; r < rows; ++r) {  // normalize: o = Σ p v / d
+  for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {  // normalize: o = Σ p v / d, in natural order
     float* out = part + r * stride;
+    simd::from_pair_order<Isa, T>(out, dim);
     if (out[dim + 1] > 0.0f) {
       const float inv = 1.0f / out[dim + 1];
       for (int c = 0; c < dim; ++c) out[c] *= inv;
@@ -290,42 +404,45 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
   const std::int64_t q_seq_stride = std::int64_t{Q} * shape.q_heads * D;  // floats per sequence
   const std::int64_t q_row_stride = std::int64_t{shape.q_heads} * D;      // floats per query token
 
-  // Work items: (sequence, KV head, chunk of keys). Without a chunk length given, split only as
-  // far as needed to give every thread a few items.
+  // Work items: (sequence, chunk of keys), every KV head of the chunk in one item (see
+  // decode_item). Without a chunk length given, split only as far as needed to give every thread
+  // a few items; chunks are whole spans, so they start where pages do.
   std::int64_t total = 0;
   for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
   std::int64_t chunk = p.chunk_tokens;
   if (chunk == 0) {
     const std::int64_t want = std::int64_t{4} * p.threads;  // items to aim for
-    const std::int64_t base = std::int64_t{kv.batch} * shape.kv_heads;
-    chunk = base >= want ? std::numeric_limits<std::int64_t>::max()
-                         : std::max<std::int64_t>(256, (total * shape.kv_heads + want - 1) / want);
+    constexpr std::int64_t span = decode_impl::kDecodeSpan;
+    chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
+                             : std::max<std::int64_t>(256, ((total + want - 1) / want + span - 1) / span * span);
   }
+  // Per item: the partial outputs [kv_heads][rows][D + 2], then its queries [kv_heads][rows][D].
+  const std::int64_t item_floats = std::int64_t{shape.kv_heads} * rows * (2 * D + 2);
   ws.items.clear();
   ws.first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
   std::int64_t floats = 0;
   for (int b = 0; b < kv.batch; ++b) {
     const std::int64_t L = kv.length(b);
     const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;  // (no L + chunk: chunk may be INT64_MAX)
-    for (int h = 0; h < shape.kv_heads; ++h)
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
-        ws.items.push_back({b, h, begin, end, floats});
-        floats += std::int64_t{rows} * (D + 2);
-      }
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
+      ws.items.push_back({b, begin, end, floats});
+      floats += item_floats;
+    }
     ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
   }
   if (ws.partial.size() < static_cast<std::size_t>(floats)) ws.partial.resize(static_cast<std::size_t>(floats));
 
   const auto run_item = [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
-    const float* qb = q + it.seq * q_seq_stride + std::int64_t{it.kv_head} * group * D;
+    const float* qb = q + it.seq * q_seq_stride;
     float* part = ws.partial.data() + it.partial;
+    float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * (D + 2);
     switch (D) {  // the common head sizes get loops of constant length
-      case 64: decode_impl::decode_item<Isa, 64, V>(kv, it.seq, it.kv_head, it.begin, it.end, qb, rows, group, Q, q_row_stride, scale, p, part); break;
-      case 128: decode_impl::decode_item<Isa, 128, V>(kv, it.seq, it.kv_head, it.begin, it.end, qb, rows, group, Q, q_row_stride, scale, p, part); break;
-      case 256: decode_impl::decode_item<Isa, 256, V>(kv, it.seq, it.kv_head, it.begin, it.end, qb, rows, group, Q, q_row_stride, scale, p, part); break;
-      default: decode_impl::decode_item<Isa, 0, V>(kv, it.seq, it.kv_head, it.begin, it.end, qb, rows, group, Q, q_row_stride, scale, p, part); break;
+      case 64: decode_impl::decode_item<Isa, 64, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
+      case 128: decode_impl::decode_item<Isa, 128, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
+      case 256: decode_impl::decode_item<Isa, 256, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
+      default: decode_impl::decode_item<Isa, 0, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
     }
   };
   pf(static_cast<std::int64_t>(ws.items.size()), run_item);
@@ -334,15 +451,14 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
   const auto merge_item = [&](std::int64_t bh) {
     const int b = static_cast<int>(bh / shape.kv_heads), h = static_cast<int>(bh % shape.kv_heads);
     const std::int64_t first = ws.first_item[static_cast<std::size_t>(b)];
-    const std::int64_t chunks = (ws.first_item[static_cast<std::size_t>(b) + 1] - first) / shape.kv_heads;
-    const std::int64_t mine = first + h * chunks;
+    const std::int64_t last = ws.first_item[static_cast<std::size_t>(b) + 1];
     for (int r = 0; r < rows; ++r) {
       const int i = r / group, head = h * group + r % group;
       float* o = out + b * q_seq_stride + i * q_row_stride + std::int64_t{head} * D;
       SoftmaxStats st;
       std::fill(o, o + D, 0.0f);
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const float* part = ws.partial.data() + ws.items[static_cast<std::size_t>(mine + c)].partial + std::int64_t{r} * (D + 2);
+      for (std::int64_t c = first; c < last; ++c) {
+        const float* part = ws.partial.data() + ws.items[static_cast<std::size_t>(c)].partial + (std::int64_t{h} * rows + r) * (D + 2);
         merge_state(o, st, part, SoftmaxStats{part[D], part[D + 1]}, static_cast<std::size_t>(D));
       }
       if (lse) lse[(std::int64_t{b} * Q + i) * shape.q_heads + head] = st.lse();

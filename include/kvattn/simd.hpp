@@ -4,12 +4,24 @@
 // instruction set specializes Vec with its intrinsics, and Vec<isa::scalar> (one lane) is plain
 // C++, so the scalar kernel reads like the math. Loads convert from the storage type (fp32,
 // fp16, bf16); load_partial / store_partial touch only the first n lanes (0 <= n < lanes).
+//
+// Two operations exist for kernels that stream keys and values:
+//   load_pair(p, a, b)  converts 2 · lanes elements at once. Where it is cheaper (bf16 on the
+//                       vector ISAs: one 32-bit lane holds two bf16, and each becomes a float
+//                       by one shift or one mask) a holds the even elements and b the odd ones
+//                       (interleaves_pairs<T> is then true); otherwise a = p[0, lanes) and
+//                       b = p[lanes, 2 · lanes). A kernel stores the vectors it multiplies with
+//                       in the same order once (pair_order below) and never shuffles per load.
+//   sum_each(v)         lanes vectors in, one out: lane i is the sum of v[i]'s lanes. A
+//                       transposing tree of adds, a few operations per vector instead of the
+//                       full reduction each reduce_add costs.
 #pragma once
 
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "config.hpp"
 #include "storage.hpp"
@@ -46,6 +58,12 @@ template <> struct Vec<isa::scalar> {
   friend Vec exp(Vec a) noexcept { return {a.v >= -87.0f ? std::exp(a.v) : 0.0f}; }  // as the SIMD ones: NaN -> 0
   float reduce_add() const noexcept { return v; }
   float reduce_max() const noexcept { return v; }
+  template <class T> static constexpr bool interleaves_pairs = false;
+  template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
+    a = load(p);
+    b = load(p + 1);
+  }
+  static Vec sum_each(const Vec* v) noexcept { return v[0]; }
 };
 
 namespace detail {
@@ -104,6 +122,25 @@ template <> struct Vec<isa::avx2> {
     const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_max_ss(t, _mm_movehdup_ps(t)));
   }
+  template <class T> static constexpr bool interleaves_pairs = std::is_same_v<T, bf16>;
+  template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
+    a = load(p);
+    b = load(p + lanes);
+  }
+  static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+    b.v = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static Vec sum_each(const Vec* v) noexcept {
+    __m256 w[4], u[2];
+    for (int i = 0; i < 4; ++i)  // per 128-bit half: [x0+x2, y0+y2, x1+x3, y1+y3], x = v[2i], y = v[2i+1]
+      w[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm256_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+    for (int j = 0; j < 2; ++j)  // per half: the partial sums of v[4j .. 4j+3]
+      u[j] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm256_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return {_mm256_add_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31))};
+  }
 };
 #endif  // KVATTN_HAS_AVX2
 
@@ -148,6 +185,29 @@ template <> struct Vec<isa::avx512> {
   }
   float reduce_add() const noexcept { return _mm512_reduce_add_ps(v); }
   float reduce_max() const noexcept { return _mm512_reduce_max_ps(v); }
+  template <class T> static constexpr bool interleaves_pairs = std::is_same_v<T, bf16>;
+  template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
+    a = load(p);
+    b = load(p + lanes);
+  }
+  static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
+    const __m512i w = _mm512_loadu_si512(p);
+    a.v = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+    b.v = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+  static Vec sum_each(const Vec* v) noexcept {
+    __m512 w[8], u[4], z[2];
+    for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3], x = v[2i], y = v[2i+1]
+      w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+    for (int j = 0; j < 4; ++j)  // per 128-bit lane: the partial sums of v[4j .. 4j+3]
+      u[j] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                           _mm512_shuffle_ps(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int k = 0; k < 2; ++k)  // [u(2k) lanes 0+1, u(2k) lanes 2+3, u(2k+1) lanes 0+1, u(2k+1) lanes 2+3]
+      z[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                           _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return {_mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                          _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)))};
+  }
 };
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
@@ -195,8 +255,54 @@ template <> struct Vec<isa::neon> {
   }
   float reduce_add() const noexcept { return vaddvq_f32(v); }
   float reduce_max() const noexcept { return vmaxvq_f32(v); }
+  template <class T> static constexpr bool interleaves_pairs = std::is_same_v<T, bf16>;
+  template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
+    a = load(p);
+    b = load(p + lanes);
+  }
+  static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
+    const uint32x4_t w = vld1q_u32(reinterpret_cast<const std::uint32_t*>(p));
+    a.v = vreinterpretq_f32_u32(vshlq_n_u32(w, 16));
+    b.v = vreinterpretq_f32_u32(vandq_u32(w, vdupq_n_u32(0xFFFF0000u)));
+  }
+  static Vec sum_each(const Vec* v) noexcept {
+    return {vpaddq_f32(vpaddq_f32(v[0].v, v[1].v), vpaddq_f32(v[2].v, v[3].v))};
+  }
 };
 #endif  // KVATTN_HAS_NEON
+
+/// Reorders one row [dim] of floats into the order load_pair<T> delivers pairs in (a no-op copy
+/// where pairs are not interleaved): within each whole block of 2 · lanes elements, the even
+/// elements first, then the odd ones; the elements after the last whole block keep their places.
+template <class Isa, class T> void to_pair_order(const float* in, float* out, int dim) noexcept {
+  constexpr int W = Vec<Isa>::lanes;
+  int c = 0;
+  if constexpr (Vec<Isa>::template interleaves_pairs<T>)
+    for (; c + 2 * W <= dim; c += 2 * W)
+      for (int j = 0; j < W; ++j) {
+        out[c + j] = in[c + 2 * j];
+        out[c + W + j] = in[c + 2 * j + 1];
+      }
+  for (; c < dim; ++c) out[c] = in[c];
+}
+
+/// The inverse of to_pair_order, in place.
+template <class Isa, class T> void from_pair_order(float* x, int dim) noexcept {
+  constexpr int W = Vec<Isa>::lanes;
+  if constexpr (Vec<Isa>::template interleaves_pairs<T>) {
+    float tmp[2 * W];
+    for (int c = 0; c + 2 * W <= dim; c += 2 * W) {
+      std::memcpy(tmp, x + c, sizeof tmp);
+      for (int j = 0; j < W; ++j) {
+        x[c + 2 * j] = tmp[j];
+        x[c + 2 * j + 1] = tmp[W + j];
+      }
+    }
+  } else {
+    (void)x;
+    (void)dim;
+  }
+}
 
 }  // namespace simd
 KVATTN_END_TARGET_NAMESPACE
