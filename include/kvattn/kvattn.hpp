@@ -15,3 +15,4 @@
 #include "decode.hpp"
 #include "prefill.hpp"
 #include "rope.hpp"
+#include "append.hpp"

@@ -23,11 +23,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "decode.hpp"
 #include "paged_cache.hpp"
 #include "parallel.hpp"
+#include "rope.hpp"
 #include "simd.hpp"
 
 namespace kvattn {
@@ -37,6 +39,11 @@ struct PrefillParams {
   std::int64_t window = 0;       ///< sliding window W (Variant<true, ...>)
   float soft_cap = 0.0f;         ///< soft-cap (Variant<..., true>), > 0
   int query_block = 32;          ///< query tokens per work item
+  /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
+  /// positions (each token's index in its sequence) before the keys are cached and attended to;
+  /// q and k are only read (the rotated copies live in the workspace). rope->head_dim() must
+  /// equal shape.head_dim. Null: q and k are used as given.
+  const Rope* rope = nullptr;
 };
 
 /// Scratch memory of prefill(); reuse it across calls. The fields belong to prefill().
@@ -47,6 +54,9 @@ struct PrefillWorkspace {
   };
   std::vector<Item> items;
   std::vector<float> scratch;  ///< per item: packed queries, a tile's keys and values, probabilities, stats
+  std::vector<float> rotated_q;  ///< with PrefillParams::rope: [total][q_heads][head_dim] the queries, rotated
+  std::vector<float> rotated_k;  ///< with PrefillParams::rope: [total][kv_heads][head_dim] the keys, rotated
+  std::vector<std::int64_t> positions;  ///< with PrefillParams::rope: [total] each chunk token's position
 };
 
 KVATTN_BEGIN_TARGET_NAMESPACE
@@ -61,7 +71,35 @@ template <class Isa> constexpr std::int64_t scratch_floats(int rows, int dim) {
   return blocks * W * dim      // queries, transposed per block of W rows: [block][dim][W], pre-scaled
          + 2 * kTile * dim     // the tile's keys and values as fp32: [kTile][dim] each
          + kTile * W           // probabilities of one row block: [kTile][W]
-         + 2 * blocks * W;     // running max and sum per row
+         + 2 * blocks * W      // running max and sum per row
+         + 2 * kTile * W       // scores of two blocks of rows: [2][kTile][W]
+         + blocks * W * dim;   // the outputs, accumulated: [blocks · W][dim] (padding rows too)
+}
+
+/// Scores of NB consecutive blocks of W query rows against a tile: sc[j][t] (a vector of W
+/// rows) = Σ_d kf[t][d] · qb[j][d]. Each broadcast key element serves NB blocks, and the NB ·
+/// kTile / NB accumulators fill the registers: one load per NB fused multiply-adds.
+///   qb  [NB][dim][W]  queries, rows in lanes     kf  [kTile][dim]     sc  [NB][kTile][W]
+template <class Isa, int D, int NB>
+KVATTN_ALWAYS_INLINE void tile_scores(const float* qb, const float* kf, int dim, float* sc) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes, H = kTile / NB;  // tokens per pass
+  if constexpr (D > 0) dim = D;
+  for (int h0 = 0; h0 < kTile; h0 += H) {
+    Vec acc[NB][H];
+    KVATTN_UNROLL for (int j = 0; j < NB; ++j)
+      KVATTN_UNROLL for (int t = 0; t < H; ++t) acc[j][t] = Vec::zero();
+    for (int d = 0; d < dim; ++d) {
+      Vec qd[NB];
+      KVATTN_UNROLL for (int j = 0; j < NB; ++j) qd[j] = Vec::load(qb + (std::int64_t{j} * dim + d) * W);
+      KVATTN_UNROLL for (int t = 0; t < H; ++t) {
+        const Vec k = Vec::set1(kf[(h0 + t) * dim + d]);
+        KVATTN_UNROLL for (int j = 0; j < NB; ++j) acc[j][t] = fma(k, qd[j], acc[j][t]);
+      }
+    }
+    KVATTN_UNROLL for (int j = 0; j < NB; ++j)
+      KVATTN_UNROLL for (int t = 0; t < H; ++t) acc[j][t].store(sc + (j * kTile + h0 + t) * W);
+  }
 }
 
 /// One item: rows = group · (q_end - q_begin) query rows (row r: token r / group, head r % group
@@ -82,8 +120,14 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
   float* pr = vf + kTile * dim;                         // [kTile][W]
   float* mrow = pr + kTile * W;                         // [blocks · W]
   float* drow = mrow + std::int64_t{blocks} * W;        // [blocks · W]
+  float* sc = drow + std::int64_t{blocks} * W;          // [2][kTile][W] scores of two blocks
+  float* acc_out = sc + 2 * kTile * W;                  // [blocks · W][dim]
+  constexpr int kPvRows = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
   const auto q_of = [&](int r) { return q + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
-  const auto o_of = [&](int r) { return out + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
+  // Outputs accumulate in scratch, rows dim apart, and reach `out` (rows q_heads · dim apart,
+  // a multiple of 4 KiB for the common shapes: they would share cache sets) once, normalized.
+  const auto o_of = [&](int r) { return acc_out + std::int64_t{r} * dim; };
+  const auto out_of = [&](int r) { return out + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
   for (int b = 0; b < blocks; ++b)  // pack the queries, scaled, rows in lanes; zero the outputs
@@ -92,7 +136,7 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       for (int d = 0; d < dim; ++d) qt[(std::int64_t{b} * dim + d) * W + l] = r < rows ? q_of(r)[d] * scale : 0.0f;
       mrow[b * W + l] = kNegInf;
       drow[b * W + l] = 0.0f;
-      if (r < rows) std::fill(o_of(r), o_of(r) + dim, 0.0f);
+      std::fill(o_of(r), o_of(r) + dim, 0.0f);  // (padding rows too: scratch, never read)
     }
 
   const std::int64_t last_pos = first_pos + tokens - 1;
@@ -127,16 +171,18 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       const int r0 = b * W;
       const std::int64_t block_last = first_pos + std::min(rows - 1, r0 + W - 1) / group;
       const std::int64_t block_first = first_pos + r0 / group;
-      if (t0 > block_last) continue;  // causal: no row of this block sees this tile
-      // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d].
-      // kTile accumulators of W rows each stay in registers (the loops have constant length).
-      Vec s[kTile];
-      for (int t = 0; t < kTile; ++t) s[t] = Vec::zero();
-      const float* qb = qt + std::int64_t{b} * dim * W;
-      for (int d = 0; d < dim; ++d) {
-        const Vec qd = Vec::load(qb + d * W);
-        for (int t = 0; t < kTile; ++t) s[t] = fma(Vec::set1(kf[t * dim + d]), qd, s[t]);
+      // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d], for blocks b and b + 1 together
+      // (each key element loaded once for both) unless neither sees this tile.
+      if (b % 2 == 0 && t0 <= first_pos + std::min(rows - 1, r0 + 2 * W - 1) / group) {
+        const float* qb = qt + std::int64_t{b} * dim * W;
+        if (b + 1 < blocks)
+          tile_scores<Isa, D, 2>(qb, kf, dim, sc);
+        else
+          tile_scores<Isa, D, 1>(qb, kf, dim, sc);
       }
+      if (t0 > block_last) continue;  // causal: no row of this block sees this tile
+      Vec s[kTile];
+      for (int t = 0; t < kTile; ++t) s[t] = Vec::load(sc + ((b % 2) * kTile + t) * W);
       const bool diagonal = t0 + kTile - 1 > block_first;  // some row cannot see some key (or padding)
       const bool windowed = V::sliding_window && t0 <= block_last - p.window;
       for (int t = 0; t < kTile; ++t) {
@@ -177,49 +223,48 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       }
       fma(Vec::load(drow + r0), a, sum).store(drow + r0);
       m_new.store(mrow + r0);
-      // o_r = α_r · o_r + Σ_t p[t][r] · v_t, 4 rows × 2 vectors of columns in registers at once.
-      const int nrow = std::min(W, rows - r0);
-      for (int l0 = 0; l0 < nrow; l0 += 4) {
-        const int nl = std::min(4, nrow - l0);
-        float* o[4];
-        for (int j = 0; j < 4; ++j) o[j] = o_of(r0 + l0 + std::min(j, nl - 1));  // spare rows repeat the last
+      // o_r = α_r · o_r + Σ_t p[t][r] · v_t for the block's W rows (padding rows included: they
+      // are scratch, never read), R rows × 2 vectors of columns in registers at once: 2R
+      // independent accumulators cover the fused multiply-add latency.
+      for (int l0 = 0; l0 < W; l0 += kPvRows) {
+        float* o = o_of(r0 + l0);
+        const float* prl = pr + l0;
         int c = 0;
         for (; c + 2 * W <= dim; c += 2 * W) {
-          Vec acc[4][2];
-          for (int j = 0; j < 4; ++j) {
-            const Vec al = Vec::set1(alpha[l0 + std::min(j, nl - 1)]);
-            acc[j][0] = Vec::load(o[j] + c) * al;
-            acc[j][1] = Vec::load(o[j] + c + W) * al;
+          Vec acc[kPvRows][2];
+          KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
+            const Vec al = Vec::set1(alpha[l0 + j]);
+            acc[j][0] = Vec::load(o + j * dim + c) * al;
+            acc[j][1] = Vec::load(o + j * dim + c + W) * al;
           }
           for (int t = 0; t < kTile; ++t) {
             const Vec v0 = Vec::load(vf + t * dim + c), v1 = Vec::load(vf + t * dim + c + W);
-            for (int j = 0; j < 4; ++j) {
-              const Vec pj = Vec::set1(pr[t * W + l0 + std::min(j, nl - 1)]);
+            KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
+              const Vec pj = Vec::set1(prl[t * W + j]);
               acc[j][0] = fma(pj, v0, acc[j][0]);
               acc[j][1] = fma(pj, v1, acc[j][1]);
             }
           }
-          for (int j = nl - 1; j >= 0; --j) {  // the real rows last, so a repeated row ends right
-            acc[j][0].store(o[j] + c);
-            acc[j][1].store(o[j] + c + W);
+          KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
+            acc[j][0].store(o + j * dim + c);
+            acc[j][1].store(o + j * dim + c + W);
           }
         }
-        for (int j = 0; j < nl; ++j)  // columns left over (head sizes not a multiple of 2 · W)
+        for (int j = 0; j < kPvRows; ++j)  // columns left over (head sizes not a multiple of 2 · W)
           for (int cc = c; cc < dim; ++cc) {
-            float acc = o[j][cc] * alpha[l0 + j];
-            for (int t = 0; t < kTile; ++t) acc += pr[t * W + l0 + j] * vf[t * dim + cc];
-            o[j][cc] = acc;
+            float a = o[j * dim + cc] * alpha[l0 + j];
+            for (int t = 0; t < kTile; ++t) a += prl[t * W + j] * vf[t * dim + cc];
+            o[j * dim + cc] = a;
           }
       }
     }
   }
-  for (int r = 0; r < rows; ++r) {  // normalize, and the log-sum-exp
-    float* o = o_of(r);
+  for (int r = 0; r < rows; ++r) {  // normalize into out, and the log-sum-exp
+    const float* o = o_of(r);
+    float* dst = out_of(r);
     const float dsum = drow[r];
-    if (dsum > 0.0f) {
-      const float inv = 1.0f / dsum;
-      for (int c = 0; c < dim; ++c) o[c] *= inv;
-    }
+    const float inv = dsum > 0.0f ? 1.0f / dsum : 0.0f;  // (a row that saw nothing has o = 0)
+    for (int c = 0; c < dim; ++c) dst[c] = o[c] * inv;
     if (lse) lse[(r / group) * q_heads + kv_head * group + r % group] = SoftmaxStats{mrow[r], dsum}.lse();
   }
 }
@@ -233,6 +278,9 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
              const PrefillParams& p, PrefillWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
   detail::check_attention_args<V>("prefill", shape, cache.layout(), p.scale, p.window, p.soft_cap);
   if (p.query_block < 1) raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be positive"));
+  if (p.rope != nullptr && p.rope->head_dim() != shape.head_dim)
+    raise<shape_error>(detail::concat("prefill: rope head_dim=", p.rope->head_dim(), " does not match shape head_dim=",
+                                      shape.head_dim));
   const int batch = static_cast<int>(seqs.size());
   if (q_indptr[0] != 0) raise<invalid_argument>(detail::concat("prefill: q_indptr[0]=", q_indptr[0], ": must be 0"));
   for (int b = 0; b < batch; ++b) {
@@ -244,6 +292,39 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   }
   if (layer < 0 || layer >= cache.config().layers)
     raise<invalid_argument>(detail::concat("prefill: layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+
+  // With RoPE, copies of the chunk's queries and keys are rotated at their positions (q and k are
+  // only read), blocks of tokens in parallel; everything below reads the copies.
+  if (p.rope != nullptr) {
+    const std::int64_t total = q_indptr[batch];
+    const std::int64_t q_row = std::int64_t{shape.q_heads} * shape.head_dim;
+    const std::int64_t k_row = std::int64_t{shape.kv_heads} * shape.head_dim;
+    const auto grow = [](auto& buffer, std::int64_t n) {
+      if (buffer.size() < static_cast<std::size_t>(n)) buffer.resize(static_cast<std::size_t>(n));
+    };
+    grow(ws.rotated_q, total * q_row);
+    grow(ws.rotated_k, total * k_row);
+    grow(ws.positions, total);
+    for (int b = 0; b < batch; ++b) {
+      const std::int64_t chunk_first = cache.length(seqs[static_cast<std::size_t>(b)]) - (q_indptr[b + 1] - q_indptr[b]);
+      for (std::int64_t t = q_indptr[b]; t < q_indptr[b + 1]; ++t)
+        ws.positions[static_cast<std::size_t>(t)] = chunk_first + (t - q_indptr[b]);
+    }
+    constexpr std::int64_t kRopeTokens = 64;  // tokens per work item
+    const Rope& rope = *p.rope;
+    const auto rotate = [&](std::int64_t i) {
+      const std::int64_t t0 = i * kRopeTokens, n = std::min(kRopeTokens, total - t0);
+      float* qr = ws.rotated_q.data() + t0 * q_row;
+      float* kr = ws.rotated_k.data() + t0 * k_row;
+      std::copy(q + t0 * q_row, q + (t0 + n) * q_row, qr);
+      std::copy(k + t0 * k_row, k + (t0 + n) * k_row, kr);
+      apply_rope(rope, qr, n, shape.q_heads, ws.positions.data() + t0, Isa{});
+      apply_rope(rope, kr, n, shape.kv_heads, ws.positions.data() + t0, Isa{});
+    };
+    pf((total + kRopeTokens - 1) / kRopeTokens, rotate);
+    q = ws.rotated_q.data();
+    k = ws.rotated_k.data();
+  }
 
   // The chunk's keys and values go into the cache first (copy-on-write applies as in write()).
   for (int b = 0; b < batch; ++b) {
