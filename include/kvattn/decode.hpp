@@ -95,7 +95,7 @@ namespace decode_impl {  // (not "detail": that name is kvattn::detail's)
 
 /// Tokens per tile: keys and values of a tile are loaded from memory once and then reused, from
 /// the L1 cache, by every query row of the group.
-inline constexpr int kDecodeTile = 16;
+inline constexpr int kDecodeTile = 32;
 /// Query rows whose accumulators stay in registers together: two vectors per row in the
 /// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16 (AVX2).
 template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
@@ -103,6 +103,29 @@ template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Is
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head block.
 inline constexpr int kPrefetchUnits = 2;
+
+/// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order).
+template <class Isa, int NR, int CP, class T>
+KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minus_key, int n, int c0,
+                                   const float (*p)[kDecodeTile], const float* alpha, float* const* o) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
+  Vec acc[NR][V2];
+  KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+    const Vec al = Vec::set1(alpha[r]);
+    KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
+  }
+  for (int t = 0; t < n; ++t) {
+    Vec v[V2];
+    KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+      const Vec pr = Vec::set1(p[r][t]);
+      KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = fma(pr, v[j], acc[r][j]);
+    }
+  }
+  KVATTN_UNROLL for (int r = 0; r < NR; ++r)
+    KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j].store(o[r] + c0 + j * W);
+}
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
@@ -137,16 +160,17 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
       }
     }
     const T* key = keys[t];
-    Vec acc[NR];
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = Vec::zero();
+    Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
     KVATTN_UNROLL for (int c = 0; c < pairs; ++c) {
       Vec ka, kb;
       Vec::load_pair(key + c * W2, ka, kb);
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
         acc[r] = fma(Vec::load(qr[r] + c * W2), ka, acc[r]);
-        acc[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc[r]);
+        acc2[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc2[r]);
       }
     }
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc[r] + acc2[r];
     for (int c = 0; c < singles; ++c) {
       const Vec k = Vec::load(key + rest + c * W);
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
@@ -175,21 +199,22 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     for (int t = 0; t < lo; ++t) s[r][t] = kNegInf;
     for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
 
+    // The running maximum moves only where some score exceeds it, which after the first tiles
+    // is rare: then the tile's maximum (a reduction) and the rescale factor (an exp) are needed.
     float* out = o[r];
     const float m_old = out[dim];
-    float tile_max = kNegInf;
-    if (lo < hi) {
-      Vec m = Vec::load(&s[r][0]);
-      for (int g = W; g < kDecodeTile; g += W) m = max(m, Vec::load(&s[r][g]));
-      tile_max = m.reduce_max();
+    Vec m = Vec::load(&s[r][0]);
+    for (int g = W; g < kDecodeTile; g += W) m = max(m, Vec::load(&s[r][g]));
+    float m_new = m_old;
+    alpha[r] = 1.0f;
+    if (any_greater(m, Vec::set1(m_old))) {
+      m_new = std::max(m_old, m.reduce_max());
+      alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
     }
-    const float m_new = std::max(m_old, tile_max);
     if (m_new == kNegInf) {  // nothing seen yet: no probability, nothing to rescale
       std::fill(s[r], s[r] + kDecodeTile, 0.0f);
-      alpha[r] = 1.0f;
       continue;
     }
-    alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
     Vec sum = Vec::zero();
     for (int g = 0; g < kDecodeTile; g += W) {
       const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));  // exp(-inf) = 0
@@ -200,29 +225,15 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     out[dim + 1] = out[dim + 1] * alpha[r] + sum.reduce_add();
   }
 
-  // 3. o = alpha · o + Σ_t p_t v_t.
-  KVATTN_UNROLL for (int c = 0; c < pairs; ++c) {
-    Vec a[NR], b[NR];
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
-      const Vec al = Vec::set1(alpha[r]);
-      a[r] = Vec::load(o[r] + c * W2) * al;
-      b[r] = Vec::load(o[r] + c * W2 + W) * al;
-    }
-    for (int t = 0; t < n; ++t) {
-      Vec va, vb;
-      Vec::load_pair(keys[t] + value_minus_key + c * W2, va, vb);
-      KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
-        const Vec pr = Vec::set1(s[r][t]);
-        a[r] = fma(pr, va, a[r]);
-        b[r] = fma(pr, vb, b[r]);
-      }
-    }
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
-      a[r].store(o[r] + c * W2);
-      b[r].store(o[r] + c * W2 + W);
-    }
-  }
-  for (int c = rest; c < dim; c += W) {  // whole vectors, then the partial one
+  // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
+  // independent accumulators, as many as half the vector registers hold, so that the
+  // multiply-adds' latency is covered even for one row.
+  constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
+  constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
+  int c = 0;
+  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o);
+  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o);
+  for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
     const int width = std::min(W, dim - c);
     Vec a[NR];
     KVATTN_UNROLL for (int r = 0; r < NR; ++r)
