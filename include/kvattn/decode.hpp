@@ -106,8 +106,11 @@ inline constexpr int kPrefetchUnits = 2;
 
 /// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order).
 template <class Isa, int NR, int CP, class T>
+/// ahead[t] (t < n_ahead): a key row whose value row [row_bytes] is prefetched meanwhile (the
+/// prefetches of a later unit are spread over both passes of a tile, not issued all at once).
 KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minus_key, int n, int c0,
-                                   const float (*p)[kDecodeTile], const float* alpha, float* const* o) noexcept {
+                                   const float (*p)[kDecodeTile], const float* alpha, float* const* o,
+                                   const T* const* ahead, int n_ahead, int row_bytes) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
   Vec acc[NR][V2];
@@ -116,6 +119,10 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
   }
   for (int t = 0; t < n; ++t) {
+    if (t < n_ahead) {
+      const char* v = reinterpret_cast<const char*>(ahead[t] + value_minus_key);
+      for (int b = 0; b < row_bytes; b += 64) KVATTN_PREFETCH_L2(v + b);
+    }
     Vec v[V2];
     KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
@@ -151,13 +158,11 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   // 1. Scores.
   Vec red[NR][kDecodeTile];
   for (int t = 0; t < n; ++t) {
-    if (t < n_ahead) {  // the rows of a later unit, one token per token of this tile
+    if (t < n_ahead) {  // the key rows of a later unit, one token per token of this tile
       const char* k = reinterpret_cast<const char*>(ahead[t]);
-      const char* v = reinterpret_cast<const char*>(ahead[t] + value_minus_key);
-      for (int b = 0; b < dim * static_cast<int>(sizeof(T)); b += 64) {
-        KVATTN_PREFETCH_L2(k + b);
-        KVATTN_PREFETCH_L2(v + b);
-      }
+      for (int b = 0; b < dim * static_cast<int>(sizeof(T)); b += 64) KVATTN_PREFETCH_L2(k + b);
+      if (pairs == 0)  // (no pair pass below to prefetch the value row in)
+        for (int b = 0; b < dim * static_cast<int>(sizeof(T)); b += 64) KVATTN_PREFETCH_L2(k + value_minus_key + b);
     }
     const T* key = keys[t];
     Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
@@ -231,8 +236,10 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
   int c = 0;
-  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o);
-  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o);
+  const int row_bytes = dim * static_cast<int>(sizeof(T));
+  for (; c + CP <= pairs; c += CP)
+    pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o, ahead, c == 0 ? n_ahead : 0, row_bytes);
+  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o, ahead, c == 0 ? n_ahead : 0, row_bytes);
   for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
     const int width = std::min(W, dim - c);
     Vec a[NR];
@@ -363,7 +370,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
           switch (nr) {
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
-    if constexpr (NR < kRowBlock)   \
+    if constexpr (NR <= kRowBlock)  \
       decode_tile<Isa, D, NR, V>(keys, ahead, na, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
     break;
             KVATTN_DECODE_TILE_CASE(1)

@@ -38,7 +38,7 @@ struct PrefillParams {
   float scale = 0.0f;            ///< softmax scale; 0: 1 / sqrt(head_dim)
   std::int64_t window = 0;       ///< sliding window W (Variant<true, ...>)
   float soft_cap = 0.0f;         ///< soft-cap (Variant<..., true>), > 0
-  int query_block = 32;          ///< query tokens per work item
+  int query_block = 64;          ///< query tokens per work item
   /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
   /// positions (each token's index in its sequence) before the keys are cached and attended to;
   /// q and k are only read (the rotated copies live in the workspace). rope->head_dim() must
@@ -130,14 +130,17 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
   const auto out_of = [&](int r) { return out + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  for (int b = 0; b < blocks; ++b)  // pack the queries, scaled, rows in lanes; zero the outputs
+  for (int b = 0; b < blocks; ++b) {  // pack the queries, scaled, rows in lanes; zero the outputs
+    const float* qrow[W];
+    for (int l = 0; l < W; ++l) qrow[l] = b * W + l < rows ? q_of(b * W + l) : nullptr;
+    for (int d = 0; d < dim; ++d)  // (one vector of W rows at a time: the stores are contiguous)
+      for (int l = 0; l < W; ++l) qt[(std::int64_t{b} * dim + d) * W + l] = qrow[l] ? qrow[l][d] * scale : 0.0f;
     for (int l = 0; l < W; ++l) {
-      const int r = b * W + l;
-      for (int d = 0; d < dim; ++d) qt[(std::int64_t{b} * dim + d) * W + l] = r < rows ? q_of(r)[d] * scale : 0.0f;
       mrow[b * W + l] = kNegInf;
       drow[b * W + l] = 0.0f;
-      std::fill(o_of(r), o_of(r) + dim, 0.0f);  // (padding rows too: scratch, never read)
+      std::fill(o_of(b * W + l), o_of(b * W + l) + dim, 0.0f);  // (padding rows too: scratch, never read)
     }
+  }
 
   const std::int64_t last_pos = first_pos + tokens - 1;
   std::int64_t key_begin = 0;
@@ -337,9 +340,12 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
 
   const int group = shape.group_size(), D = shape.head_dim;
   const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(D));
+  // Items from the last query block of each sequence to the first: the later a block, the more
+  // keys it sees, and a parallel-for that hands out items in order then ends on the cheap ones.
   ws.items.clear();
   for (int b = 0; b < batch; ++b)
-    for (std::int64_t t = q_indptr[b]; t < q_indptr[b + 1]; t += p.query_block)
+    for (std::int64_t n = q_indptr[b + 1] - q_indptr[b], t = q_indptr[b] + (n - 1) / p.query_block * p.query_block;
+         n > 0 && t >= q_indptr[b]; t -= p.query_block)
       for (int h = 0; h < shape.kv_heads; ++h)
         ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + p.query_block)});
   const std::int64_t per_item = prefill_impl::scratch_floats<Isa>(group * p.query_block, D);
