@@ -1,7 +1,9 @@
 # Runs a command and checks its exit code and what it printed to stderr:
 #   cmake -DEXPECT_EXIT=2 -DEXPECT_STDERR=regex -P expect_exit.cmake -- PROGRAM [ARGS...]
 # EXPECT_EXIT=abort expects the program to die by abort() (CMake words that differently by version).
-# (after "--" CMake passes the arguments on without reading them as its own options)
+# (after "--" CMake passes the arguments on without reading them as its own options, all but a
+# few: it still takes -L, one of qemu's, so an emulator comes as EMULATOR, a list run before
+# PROGRAM, as cross builds set it: -DEMULATOR=${CMAKE_CROSSCOMPILING_EMULATOR})
 set(command)
 set(after_script FALSE)
 math(EXPR last "${CMAKE_ARGC} - 1")
@@ -14,7 +16,7 @@ foreach(i RANGE 1 ${last})
     set(after_script TRUE)
   endif()
 endforeach()
-execute_process(COMMAND ${command} RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err)
+execute_process(COMMAND ${EMULATOR} ${command} RESULT_VARIABLE code OUTPUT_VARIABLE out ERROR_VARIABLE err)
 set(ok FALSE)
 if(EXPECT_EXIT STREQUAL "abort" AND code MATCHES "[Aa]bort")
   set(ok TRUE)

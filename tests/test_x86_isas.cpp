@@ -1,0 +1,557 @@
+// The AVX2 and AVX-512 kernels, whatever -march=native selects on the machine that builds them:
+// isa_kernels_avx2.cpp is compiled with -march=x86-64-v3 and isa_kernels_avx512.cpp with
+// -march=x86-64-v4, and this file, compiled for the x86-64 baseline, runs them where the CPU has
+// the instruction set and skips them, saying which set is missing, where it has not.
+//
+// For each of the two: decode over group sizes 1, 3, 4, 8, MHA and MQA, head sizes 64, 128, 256,
+// 80 and 7, page sizes 1, 7, 16, contexts 0, 1, page size ± 1 and thousands, several queries per
+// sequence, sliding window, soft-cap and huge logits, serial and threaded, split-KV; prefill over
+// group sizes 1, 3, 4, 8, head sizes 64, 128, 256, 80, 7, chunked prompts up to 500 tokens,
+// query blocks, variants; RoPE in both styles, whole and partial widths; fp16 and bf16 to fp32
+// and back. Storage fp32, fp16 and bf16 throughout.
+//
+// Bounds, the same as the tests of the native path:
+//  - decode and prefill, element-wise against reference.hpp (test_decode.cpp, test_prefill.cpp):
+//    |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref|, |lse - ref| <= 2e-5 · (1 + |ref|) + e_s,
+//    e_s = 2^-23 · scale · head_dim · max|q| · max|k|, the rounding of one fp32 score;
+//  - RoPE against an exact rotation in double (test_rope.cpp): |got − ref| <= 4 · 2^-24 · (|a| + |b|)
+//    for the input pair (a, b); pass-through elements and position 0 bit-identical;
+//  - conversions bit for bit equal to the element-wise to_float / from_float (which test_storage.cpp
+//    checks against IEEE 754), except that an fp16 NaN need only stay a NaN of its sign.
+#include "isa_kernels.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "reference.hpp"
+
+namespace {
+
+using kvattn::GqaShape;
+namespace isa = kvattn::isa;
+
+// ---- Which instruction sets this CPU runs ------------------------------------------------------
+
+/// Whether this CPU (and its operating system) runs code compiled with -march=x86-64-v3, and the
+/// features kvattn's AVX2 kernels use. GCC knows the level's name; Clang (14) knows neither it
+/// nor F16C, so there the features are asked one by one (every CPU with AVX2 and FMA has F16C).
+bool cpu_runs_avx2() {
+#if defined(__clang__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("bmi") &&
+         __builtin_cpu_supports("bmi2");
+#else
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("x86-64-v3");
+#endif
+}
+
+/// The same for -march=x86-64-v4 and the AVX-512 kernels (F, BW, DQ, VL).
+bool cpu_runs_avx512() {
+  const bool features = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+#if defined(__clang__)
+  return features && __builtin_cpu_supports("avx512cd") && cpu_runs_avx2();
+#else
+  return features && __builtin_cpu_supports("x86-64-v4");
+#endif
+}
+
+template <class Isa> struct Cpu;
+template <> struct Cpu<isa::avx2> {
+  static bool runs() { return cpu_runs_avx2(); }
+  static constexpr const char* missing =
+      "AVX2 (avx2/fma/f16c, x86-64-v3) is not available on this CPU: the AVX2 kernels were compiled but not run";
+};
+template <> struct Cpu<isa::avx512> {
+  static bool runs() { return cpu_runs_avx512(); }
+  static constexpr const char* missing =
+      "AVX-512 (avx512f/bw/dq/vl, x86-64-v4) is not available on this CPU: the AVX-512 kernels were compiled but not run";
+};
+
+TEST(IsaCpu, SaysWhichKernelsRun) {
+  std::printf("AVX2 kernels: %s; AVX-512 kernels: %s\n", cpu_runs_avx2() ? "run" : "skipped (not on this CPU)",
+              cpu_runs_avx512() ? "run" : "skipped (not on this CPU)");
+  EXPECT_TRUE(!cpu_runs_avx512() || cpu_runs_avx2()) << "x86-64-v4 includes x86-64-v3";
+}
+
+/// Every test below is typed over the two instruction sets and skipped, with the reason, where
+/// this CPU lacks the set: nothing compiled for it runs before SetUp has asked.
+template <class Isa> class OnThisCpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!Cpu<Isa>::runs()) GTEST_SKIP() << Cpu<Isa>::missing;
+  }
+};
+using Isas = ::testing::Types<isa::avx2, isa::avx512>;
+struct IsaName {
+  template <class Isa> static std::string GetName(int) { return std::string(Isa::name); }
+};
+
+template <class Isa, class T> using K = isa_kernels::Kernels<Isa, T>;
+
+// ---- Decode --------------------------------------------------------------------------------------
+
+struct DecodeCase {
+  GqaShape shape;
+  int page_size;
+  std::vector<std::int64_t> lengths;
+  int queries = 1;
+  std::int64_t window = 0;
+  float soft_cap = 0.0f;
+  std::int64_t chunk = 0;
+  float q_scale = 1.0f;  // multiplies the queries: large values make large logits
+};
+
+std::string describe(const DecodeCase& c) {
+  std::string s = kvattn::detail::concat("q_heads=", c.shape.q_heads, " kv_heads=", c.shape.kv_heads,
+                                         " head_dim=", c.shape.head_dim, " page=", c.page_size, " Q=", c.queries,
+                                         " window=", c.window, " cap=", c.soft_cap, " chunk=", c.chunk, " lengths=");
+  for (auto l : c.lengths) s += std::to_string(l) + ",";
+  return s;
+}
+
+/// As test_decode.cpp's check(), with the kernel of Isa.
+template <class Isa, class T> void check_decode(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
+  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name) +
+               " threads=" + std::to_string(pool ? pool->threads() : 1));
+  std::int64_t total = 0;
+  for (auto l : c.lengths) total += (l + c.page_size - 1) / c.page_size;
+  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, total), c.shape});
+  std::mt19937 rng(static_cast<unsigned>(c.lengths.size() * 131 + c.shape.head_dim));
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  const int G = c.shape.kv_heads, D = c.shape.head_dim, H = c.shape.q_heads;
+  std::vector<kvattn::SeqId> seqs;
+  float vmax = 0;
+  for (auto L : c.lengths) {
+    const kvattn::SeqId s = cache.add_sequence();
+    seqs.push_back(s);
+    if (L == 0) continue;
+    cache.append(s, L);
+    std::vector<float> k(static_cast<std::size_t>(L) * G * D), v(k.size());  // [L][kv_heads][head_dim]
+    for (auto& x : k) x = dist(rng);
+    for (auto& x : v) x = dist(rng), vmax = std::max(vmax, std::abs(x));
+    cache.write(s, 0, 0, L, k.data(), v.data());
+  }
+  const int B = static_cast<int>(seqs.size()), Q = c.queries;
+  std::vector<float> q(static_cast<std::size_t>(B) * Q * H * D);  // [B][Q][q_heads][head_dim]
+  for (auto& x : q) x = dist(rng) * c.q_scale;
+  std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(B) * Q * H, 123.0f);
+
+  const kvattn::BatchPageTable table = cache.page_table(seqs);
+  kvattn::DecodeParams p;
+  p.queries_per_seq = Q;
+  p.window = c.window;
+  p.soft_cap = c.soft_cap;
+  p.chunk_tokens = c.chunk;
+  p.threads = pool ? pool->threads() : 1;
+  K<Isa, T>::decode(cache.view(table, 0), c.shape, q.data(), out.data(), lse.data(), p, {c.window > 0, c.soft_cap > 0}, pool);
+
+  reference::Options o;
+  o.queries_per_seq = Q;
+  o.window = c.window;
+  o.soft_cap = c.soft_cap;
+  std::vector<double> ref, ref_lse;
+  const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(D));  // scale · D = sqrt(D)
+  int reported = 0;
+  for (int b = 0; b < B; ++b) {
+    reference::decode(cache, seqs[static_cast<std::size_t>(b)], 0, c.shape, q.data() + static_cast<std::size_t>(b) * Q * H * D, o, ref, ref_lse);
+    for (std::size_t j = 0; j < ref.size(); ++j) {
+      const float got = out[static_cast<std::size_t>(b) * Q * H * D + j];
+      const double bound = (2e-5 + 2 * e_s) * vmax + 2e-5 * std::abs(ref[j]);
+      if (!(std::abs(got - ref[j]) <= bound) && reported++ < 5)
+        ADD_FAILURE() << "b=" << b << " element " << j << ": got " << got << ", reference " << ref[j] << ", bound " << bound;
+    }
+    for (std::size_t j = 0; j < ref_lse.size(); ++j) {
+      const float got = lse[static_cast<std::size_t>(b) * Q * H + j];
+      const double r = ref_lse[j];
+      const bool ok = std::isinf(r) ? got == -std::numeric_limits<float>::infinity() : std::abs(got - r) <= 2e-5 * (1 + std::abs(r)) + e_s;
+      if (!ok && reported++ < 5) ADD_FAILURE() << "b=" << b << " lse " << j << ": got " << got << ", reference " << r;
+    }
+  }
+}
+
+template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
+  check_decode<Isa, float>(c, pool);
+  check_decode<Isa, kvattn::fp16>(c, pool);
+  check_decode<Isa, kvattn::bf16>(c, pool);
+}
+
+template <class Isa> class IsaDecode : public OnThisCpu<Isa> {};
+TYPED_TEST_SUITE(IsaDecode, Isas, IsaName);
+
+TYPED_TEST(IsaDecode, GroupSizesAndHeadSizes) {
+  for (int group : {1, 3, 4, 8})
+    for (int dim : {64, 128, 256, 80, 7})
+      check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(2 * group, 2, dim), 16, {37, 1, 100}});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::mha(6, 64), 16, {50, 9}});   // groups = heads (MHA)
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::mqa(12, 128), 16, {50, 9}});  // one group (MQA)
+}
+
+TYPED_TEST(IsaDecode, PageSizesAndAwkwardContexts) {
+  for (int page : {1, 7, 16})
+    check_decode_all_storage<TypeParam>(
+        DecodeCase{GqaShape::gqa(8, 2, 64), page, {0, 1, page - 1 > 0 ? page - 1 : 2, page + 1, 3 * page, 5}});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(6, 2, 80), 7, {0}});  // nothing to attend to
+}
+
+TYPED_TEST(IsaDecode, LongContextsSplitAndThreaded) {
+  kvattn::ThreadPool pool(3);
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 2, 128), 16, {3000}}, &pool);  // chunks chosen
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(4, 4, 64), 7, {2500, 17, 0, 1200}, 1, 0, 0, 100}, &pool);
+  check_decode<TypeParam, kvattn::bf16>(DecodeCase{GqaShape::gqa(8, 1, 256), 1, {2000}, 1, 0, 0, 333});
+  check_decode<TypeParam, kvattn::fp16>(DecodeCase{GqaShape::gqa(3, 1, 7), 16, {4100}});
+}
+
+TYPED_TEST(IsaDecode, SeveralQueriesWindowSoftCapAndLargeLogits) {
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(6, 2, 64), 7, {40, 3, 2, 16}, 3});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(6, 3, 80), 16, {500, 64}, 4, 0, 0, 50});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 2, 64), 16, {100, 5, 33}, 1, 20});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 2, 64), 7, {100, 5, 33}, 3, 1});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 2, 64), 16, {100, 5}, 1, 0, 5.0f, 0, 40.0f});
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 4, 128), 16, {300, 5}, 2, 64, 30.0f, 70, 40.0f});
+  // Queries of size ~1e4 make scores ~1e5: a naive exp overflows, the online softmax does not.
+  check_decode<TypeParam, float>(DecodeCase{GqaShape::gqa(4, 2, 64), 16, {200, 3}, 1, 0, 0, 50, 1e4f});
+}
+
+// ---- Prefill -------------------------------------------------------------------------------------
+
+struct Prompt {
+  std::vector<float> q, k, v;  // [tokens][heads][dim]
+};
+
+Prompt random_prompt(const GqaShape& s, std::int64_t tokens, unsigned seed, float q_scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  Prompt p;
+  p.q.resize(static_cast<std::size_t>(tokens) * s.q_heads * s.head_dim);
+  p.k.resize(static_cast<std::size_t>(tokens) * s.kv_heads * s.head_dim);
+  p.v.resize(p.k.size());
+  for (auto& x : p.q) x = dist(rng) * q_scale;
+  for (auto& x : p.k) x = dist(rng);
+  for (auto& x : p.v) x = dist(rng);
+  return p;
+}
+
+/// Element-wise |got - ref| <= abs + rel · |ref|; an infinite reference must be matched exactly.
+void expect_close(const std::vector<float>& got, const std::vector<double>& ref, double abs, double rel, const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size());
+  int bad = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    const bool ok = std::isinf(ref[i]) ? got[i] == ref[i] : std::abs(got[i] - ref[i]) <= abs + rel * std::abs(ref[i]);
+    if (!ok && bad++ < 5) ADD_FAILURE() << what << " element " << i << ": got " << got[i] << ", reference " << ref[i];
+  }
+}
+
+/// As test_prefill.cpp's check_against_reference(): prefills one prompt in the given chunks (on a
+/// pool of 2 threads), then compares every token's output and lse with the reference.
+template <class Isa, class T>
+void check_prefill(const GqaShape& s, int page, std::vector<std::int64_t> chunks, kvattn::PrefillParams params = {},
+                   isa_kernels::Variant variant = {}, float q_scale = 1.0f) {
+  SCOPED_TRACE(kvattn::detail::concat("q_heads=", s.q_heads, " kv_heads=", s.kv_heads, " head_dim=", s.head_dim, " page=", page,
+                                      " storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name, " block=", params.query_block,
+                                      " window=", variant.sliding_window ? params.window : 0,
+                                      " cap=", variant.soft_cap ? params.soft_cap : 0.0f));
+  std::int64_t total = 0;
+  for (auto c : chunks) total += c;
+  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, (total + page - 1) / page + 1, s});
+  const auto seq = cache.add_sequence();
+  const Prompt pr = random_prompt(s, total, static_cast<unsigned>(total * 7 + s.head_dim), q_scale);
+  std::vector<float> out(static_cast<std::size_t>(total) * s.q_heads * s.head_dim, 7.0f);  // [total][q_heads][head_dim]
+  std::vector<float> lse(static_cast<std::size_t>(total) * s.q_heads, 7.0f);                // [total][q_heads]
+  kvattn::ThreadPool pool(2);
+  std::int64_t done = 0;
+  for (auto n : chunks) {
+    cache.append(seq, n);
+    const std::size_t qo = static_cast<std::size_t>(done) * s.q_heads * s.head_dim;
+    const std::size_t kv = static_cast<std::size_t>(done) * s.kv_heads * s.head_dim;
+    K<Isa, T>::prefill(cache, seq, n, s, pr.q.data() + qo, pr.k.data() + kv, pr.v.data() + kv, out.data() + qo,
+                       lse.data() + static_cast<std::size_t>(done) * s.q_heads, params, variant, &pool);
+    done += n;
+  }
+  reference::Options o;
+  o.queries_per_seq = static_cast<int>(total);
+  o.window = variant.sliding_window ? params.window : 0;
+  o.soft_cap = variant.soft_cap ? params.soft_cap : 0;
+  std::vector<double> ref, ref_lse;
+  reference::decode(cache, seq, 0, s, pr.q.data(), o, ref, ref_lse);
+  const double e_s = std::ldexp(1.0, -23) * q_scale * std::sqrt(double(s.head_dim));  // keys in [-1, 1]
+  expect_close(out, ref, (2e-5 + 2 * e_s) * 1.0 /* max|v| */, 2e-5, "out");
+  expect_close(lse, ref_lse, 2e-5 + e_s, 2e-5, "lse");
+}
+
+template <class Isa> class IsaPrefill : public OnThisCpu<Isa> {};
+TYPED_TEST_SUITE(IsaPrefill, Isas, IsaName);
+
+TYPED_TEST(IsaPrefill, MatchesReferenceOverShapes) {
+  for (int group : {1, 3, 4, 8})
+    for (int dim : {64, 128, 7}) {
+      check_prefill<TypeParam, float>(GqaShape::gqa(2 * group, 2, dim), 16, {45});
+      check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(2 * group, 2, dim), 7, {20, 1, 30});
+    }
+  check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(4, 2, 256), 16, {40, 9});
+  check_prefill<TypeParam, kvattn::fp16>(GqaShape::mha(5, 80), 1, {33});
+  check_prefill<TypeParam, kvattn::bf16>(GqaShape::mqa(8, 64), 16, {1});
+}
+
+TYPED_TEST(IsaPrefill, LongPromptAndBlocks) {
+  kvattn::PrefillParams p;
+  check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(8, 2, 128), 16, {300, 200}, p);
+  p.query_block = 5;
+  check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(6, 2, 64), 7, {100, 77}, p);
+  p.query_block = 1;
+  check_prefill<TypeParam, float>(GqaShape::gqa(4, 4, 64), 1, {50}, p);
+}
+
+TYPED_TEST(IsaPrefill, VariantsAndLargeLogits) {
+  kvattn::PrefillParams p;
+  p.window = 17;
+  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {60, 40}, p, {true, false});
+  p.window = 1;
+  check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(4, 2, 64), 7, {30}, p, {true, false});
+  p.soft_cap = 20.0f;
+  p.window = 40;
+  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {90}, p, {true, true}, 10.0f);
+  check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(6, 3, 80), 16, {64, 26}, p, {false, true}, 10.0f);
+  check_prefill<TypeParam, float>(GqaShape::gqa(4, 2, 64), 16, {70}, {}, {}, 1e4f);  // scores ~1e5
+}
+
+// ---- RoPE ----------------------------------------------------------------------------------------
+
+using kvattn::RopeConfig;
+using kvattn::RopeStyle;
+
+constexpr double kRopeBound = 4.0 / 16777216.0;  // 4 · 2^-24, as test_rope.cpp
+
+/// Element index of the two members of pair i within a head (rotary width R).
+void pair_members(RopeStyle style, int R, int i, int& first, int& second) {
+  if (style == RopeStyle::neox) {
+    first = i;
+    second = i + R / 2;
+  } else {
+    first = 2 * i;
+    second = 2 * i + 1;
+  }
+}
+
+/// out [tokens][heads][D] = the exact rotation of x (R == 0 means R == D), in double, written
+/// from the definition (none of rope.hpp's math).
+std::vector<double> reference_rope(RopeStyle style, int D, int R, double base, const std::vector<float>& x,
+                                   std::int64_t tokens, int heads, const std::vector<std::int64_t>& positions) {
+  if (R == 0) R = D;
+  std::vector<double> out(x.begin(), x.end());
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (int h = 0; h < heads; ++h) {
+      const std::size_t off = static_cast<std::size_t>((t * heads + h) * D);
+      for (int i = 0; i < R / 2; ++i) {
+        const double theta = static_cast<double>(positions[static_cast<std::size_t>(t)]) / std::pow(base, (2.0 * i) / R);
+        int f, s;
+        pair_members(style, R, i, f, s);
+        const double a = x[off + static_cast<std::size_t>(f)], b = x[off + static_cast<std::size_t>(s)];
+        out[off + static_cast<std::size_t>(f)] = a * std::cos(theta) - b * std::sin(theta);
+        out[off + static_cast<std::size_t>(s)] = a * std::sin(theta) + b * std::cos(theta);
+      }
+    }
+  return out;
+}
+
+/// |a| + |b| of the input pair that element j of a head belongs to (0 for pass-through elements).
+double pair_scale(RopeStyle style, int R, const float* head, int j) {
+  if (j >= R) return 0.0;
+  const int i = style == RopeStyle::neox ? j % (R / 2) : j / 2;
+  int f, s;
+  pair_members(style, R, i, f, s);
+  return std::abs(static_cast<double>(head[f])) + std::abs(static_cast<double>(head[s]));
+}
+
+std::vector<float> random_vector(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& e : v) e = dist(rng);
+  return v;
+}
+
+/// Rotates random heads with Isa's apply_rope and compares with the reference.
+template <class Isa> void check_rope(const RopeConfig& c, int heads, const std::vector<std::int64_t>& positions, unsigned seed) {
+  const std::int64_t tokens = static_cast<std::int64_t>(positions.size());
+  SCOPED_TRACE(kvattn::detail::concat("style=", kvattn::to_string(c.style), " head_dim=", c.head_dim, " rotary_dim=", c.rotary_dim,
+                                      " base=", c.base, " heads=", heads, " tokens=", tokens, " isa=", Isa::name));
+  const int D = c.head_dim, R = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
+  const std::vector<float> x = random_vector(static_cast<std::size_t>(tokens * heads * D), seed);
+  std::vector<float> got = x;
+  const kvattn::Rope rope(c);
+  isa_kernels::apply_rope<Isa>(rope, got.data(), tokens, heads, positions.data());
+  const std::vector<double> ref = reference_rope(c.style, D, c.rotary_dim, c.base, x, tokens, heads, positions);
+  int reported = 0;
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (int h = 0; h < heads; ++h) {
+      const std::size_t off = static_cast<std::size_t>((t * heads + h) * D);
+      const bool at_zero = positions[static_cast<std::size_t>(t)] == 0;
+      for (int j = 0; j < D; ++j) {
+        const std::size_t e = off + static_cast<std::size_t>(j);
+        if (j >= R || at_zero) {  // bit-identical: not rotated, or rotated by the identity
+          if (std::memcmp(&got[e], &x[e], sizeof(float)) != 0 && reported++ < 5)
+            ADD_FAILURE() << "t=" << t << " h=" << h << " j=" << j << (j >= R ? " (pass-through)" : " (position 0)")
+                          << ": got " << got[e] << ", input " << x[e];
+          continue;
+        }
+        const double bound = kRopeBound * pair_scale(c.style, R, x.data() + off, j);
+        const double err = std::abs(static_cast<double>(got[e]) - ref[e]);
+        if (!(err <= bound) && reported++ < 5)
+          ADD_FAILURE() << "t=" << t << " h=" << h << " j=" << j << ": got " << got[e] << ", reference " << ref[e]
+                        << ", error " << err << ", bound " << bound;
+      }
+    }
+}
+
+template <class Isa> class IsaRope : public OnThisCpu<Isa> {};
+TYPED_TEST_SUITE(IsaRope, Isas, IsaName);
+
+TYPED_TEST(IsaRope, MatchesReferenceOverWidthsPositionsAndBases) {
+  struct Widths {
+    int head_dim, rotary_dim;
+  };
+  // Half-widths 1, 3, 2, 32, 40, 64, 128, 260: SIMD tails, whole vectors, several blocks.
+  const Widths widths[] = {{2, 0}, {6, 0}, {7, 4}, {64, 0}, {80, 0}, {128, 0}, {128, 64}, {256, 0}, {600, 520}};
+  const std::vector<std::int64_t> listed = {0, 1, 4095, 131071, 1000000};
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::int64_t> any_pos(0, std::int64_t{1} << 21);
+  unsigned seed = 1;
+  for (RopeStyle style : {RopeStyle::neox, RopeStyle::gptj})
+    for (const Widths& w : widths)
+      for (double base : {10000.0, 500000.0})
+        for (int heads : {1, 8}) {
+          std::vector<std::int64_t> many = listed;  // 37 tokens: every listed position, then random ones
+          while (many.size() < 37) many.push_back(any_pos(rng));
+          std::shuffle(many.begin(), many.end(), rng);
+          check_rope<TypeParam>(RopeConfig{style, w.head_dim, w.rotary_dim, base}, heads, many, seed++);
+          check_rope<TypeParam>(RopeConfig{style, w.head_dim, w.rotary_dim, base}, heads, {-1000000, 3}, seed++);
+        }
+}
+
+// ---- fp16 / bf16 conversion ----------------------------------------------------------------------
+
+template <class T> std::uint32_t bits_of(const T& x) {
+  if constexpr (sizeof(T) == 4) {
+    std::uint32_t b;
+    std::memcpy(&b, static_cast<const void*>(&x), 4);
+    return b;
+  } else {
+    std::uint16_t b;
+    std::memcpy(&b, static_cast<const void*>(&x), 2);
+    return b;
+  }
+}
+
+template <class T> T from_bits(std::uint32_t b) {
+  T x;
+  if constexpr (sizeof(T) == 4) {
+    std::memcpy(static_cast<void*>(&x), &b, 4);
+  } else {
+    const auto h = static_cast<std::uint16_t>(b);
+    std::memcpy(static_cast<void*>(&x), &h, 2);
+  }
+  return x;
+}
+
+/// Whether a narrowing gave what the element-wise from_float<T> gives (`want`): the same bits,
+/// or for fp16 NaNs, whose payload the contract leaves open, a NaN of the same sign.
+template <class T> bool same_narrowed(T got, T want) {
+  if (bits_of(got) == bits_of(want)) return true;
+  const float g = kvattn::to_float(got), w = kvattn::to_float(want);
+  return std::is_same_v<T, kvattn::fp16> && std::isnan(g) && std::isnan(w) && std::signbit(g) == std::signbit(w);
+}
+/// The same for a widening from T against to_float.
+template <class T> bool same_widened(float got, float want) {
+  if (bits_of(got) == bits_of(want)) return true;
+  return std::is_same_v<T, kvattn::fp16> && std::isnan(got) && std::isnan(want) && std::signbit(got) == std::signbit(want);
+}
+
+/// fp32 inputs for narrowing to T: every value of T (the round trip), the ties halfway from each
+/// to the next one away from zero and the floats just beside those ties, random bit patterns,
+/// and specials (infinities, NaNs with low and high payloads, the largest finite fp32, fp32
+/// subnormals, the overflow thresholds).
+template <class T> std::vector<float> narrowing_inputs() {
+  // T's values are fp32 values whose low `drop` significand bits are zero, except fp16's
+  // subnormals (below 2^-14), which are multiples of 2^-24.
+  constexpr int drop = std::is_same_v<T, kvattn::bf16> ? 16 : 13;
+  std::vector<float> in;
+  for (std::uint32_t h = 0; h < 65536; ++h) {
+    const float w = kvattn::to_float(from_bits<T>(h));
+    in.push_back(w);
+    if (!std::isfinite(w)) continue;
+    const bool shifted = std::is_same_v<T, kvattn::bf16> || std::fabs(w) >= std::ldexp(1.0f, -14);
+    const float tie = shifted ? from_bits<float>(bits_of(w) + (1u << (drop - 1))) : w + std::copysign(std::ldexp(1.0f, -25), w);
+    in.push_back(tie);
+    in.push_back(std::nextafter(tie, 0.0f));
+    in.push_back(std::nextafter(tie, std::copysign(std::numeric_limits<float>::infinity(), tie)));
+  }
+  std::mt19937 rng(99);
+  for (int i = 0; i < 20000; ++i) in.push_back(from_bits<float>(static_cast<std::uint32_t>(rng())));
+  for (std::uint32_t b : {0x7f800000u, 0xff800000u, 0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fffffffu,
+                          0xffffffffu, 0x7fa00000u, 0x7f7fffffu, 0xff7fffffu, 0x00000001u, 0x807fffffu, 0x477ff000u,
+                          0xc77ff000u, 0x7f7f8000u, 0xff7f8000u})
+    in.push_back(from_bits<float>(b));
+  return in;
+}
+
+template <class Isa, class T> void check_conversions() {
+  SCOPED_TRACE(kvattn::detail::concat("storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name));
+  int reported = 0;
+  // Widening: all 65,536 patterns.
+  std::vector<T> all(65536);
+  for (std::uint32_t h = 0; h < 65536; ++h) all[h] = from_bits<T>(h);
+  std::vector<float> wide(all.size());
+  K<Isa, T>::widen(all.data(), wide.data(), all.size());
+  for (std::uint32_t h = 0; h < 65536; ++h)
+    if (!same_widened<T>(wide[h], kvattn::to_float(all[h])) && reported++ < 8)
+      ADD_FAILURE() << "widen " << std::hex << h << ": got bits " << bits_of(wide[h]) << ", want " << bits_of(kvattn::to_float(all[h]));
+  // Narrowing: round trips, ties, random patterns and specials.
+  const std::vector<float> in = narrowing_inputs<T>();
+  std::vector<T> narrow(in.size());
+  K<Isa, T>::narrow(in.data(), narrow.data(), in.size());
+  for (std::size_t i = 0; i < in.size(); ++i) {
+    const T want = kvattn::from_float<T>(in[i]);
+    if (!same_narrowed(narrow[i], want) && reported++ < 8)
+      ADD_FAILURE() << "narrow " << std::hex << bits_of(in[i]) << ": got bits " << bits_of(narrow[i]) << ", want " << bits_of(want);
+  }
+  // Every length 0..70 at offsets 0..2 (whole vectors, tails, masked tails), both ways: right
+  // inside the row, nothing written outside it.
+  constexpr std::size_t kGuard = 19;
+  std::size_t pick = 0;
+  for (std::size_t n = 0; n <= 70; ++n)
+    for (std::size_t off : {0, 1, 2}) {
+      std::vector<float> src(n);
+      for (float& x : src) x = in[(pick += 7919) % in.size()];
+      std::vector<T> dst(off + n + kGuard, from_bits<T>(0xA5A5u));
+      K<Isa, T>::narrow(src.data(), dst.data() + off, n);
+      std::vector<float> back(dst.size(), from_bits<float>(0xA5A5A5A5u));
+      K<Isa, T>::widen(dst.data() + off, back.data() + off, n);
+      for (std::size_t j = 0; j < dst.size(); ++j) {
+        const bool inside = j >= off && j < off + n;
+        const bool ok = inside ? same_narrowed(dst[j], kvattn::from_float<T>(src[j - off])) &&
+                                     same_widened<T>(back[j], kvattn::to_float(dst[j]))
+                               : bits_of(dst[j]) == 0xA5A5u && bits_of(back[j]) == 0xA5A5A5A5u;
+        if (!ok && reported++ < 8)
+          ADD_FAILURE() << "n=" << n << " offset " << off << " element " << j << (inside ? ": wrong value" : ": written outside the row");
+      }
+    }
+}
+
+template <class Isa> class IsaConvert : public OnThisCpu<Isa> {};
+TYPED_TEST_SUITE(IsaConvert, Isas, IsaName);
+
+TYPED_TEST(IsaConvert, Fp16MatchesElementWise) { check_conversions<TypeParam, kvattn::fp16>(); }
+TYPED_TEST(IsaConvert, Bf16MatchesElementWise) { check_conversions<TypeParam, kvattn::bf16>(); }
+
+}  // namespace
