@@ -39,7 +39,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_checks.hpp"
 #include "cache_snapshot.hpp"
+#include "rope_reference.hpp"
 
 namespace {
 
@@ -47,47 +49,20 @@ using kvattn::GqaShape;
 using kvattn::RopeConfig;
 using kvattn::RopeStyle;
 
-constexpr double kRopeBound = 4.0 / 16777216.0;  // 4 · 2^-24, as test_rope.cpp
+using reference::kRopeBound;
 
-// --- The reference: double precision, written from the definition. ---------------------------
-
-/// Element indices of pair i within a head of rotary width R.
-void pair_members(RopeStyle style, int R, int i, int& first, int& second) {
-  if (style == RopeStyle::neox) {
-    first = i;
-    second = i + R / 2;
-  } else {
-    first = 2 * i;
-    second = 2 * i + 1;
-  }
-}
+// --- The reference: double precision, written from the definition (RoPE: rope_reference.hpp). ---
 
 /// x [tokens][heads][D], token t rotated exactly at position first + t.
 std::vector<double> rotate_exact(const RopeConfig& c, const float* x, std::int64_t tokens, int heads, std::int64_t first) {
-  const int D = c.head_dim, R = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
-  std::vector<double> out(x, x + tokens * heads * D);
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (int h = 0; h < heads; ++h) {
-      const std::int64_t off = (t * heads + h) * D;
-      for (int i = 0; i < R / 2; ++i) {
-        const double theta = static_cast<double>(first + t) / std::pow(c.base, (2.0 * i) / R);
-        int f, s;
-        pair_members(c.style, R, i, f, s);
-        const double a = x[off + f], b = x[off + s];
-        out[static_cast<std::size_t>(off + f)] = a * std::cos(theta) - b * std::sin(theta);
-        out[static_cast<std::size_t>(off + s)] = a * std::sin(theta) + b * std::cos(theta);
-      }
-    }
-  return out;
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+  for (std::int64_t t = 0; t < tokens; ++t) positions[static_cast<std::size_t>(t)] = first + t;
+  return reference::rope(c.style, c.head_dim, c.rotary_dim, c.base, x, tokens, heads, positions.data());
 }
 
 /// |a| + |b| of the pair element j of a head belongs to (0 for elements that do not rotate).
 double pair_scale(const RopeConfig& c, const float* head, int j) {
-  const int R = c.rotary_dim == 0 ? c.head_dim : c.rotary_dim;
-  if (j >= R) return 0.0;
-  int f, s;
-  pair_members(c.style, R, c.style == RopeStyle::neox ? j % (R / 2) : j / 2, f, s);
-  return std::abs(double{head[f]}) + std::abs(double{head[s]});
+  return reference::pair_scale(c.style, c.rotary_dim == 0 ? c.head_dim : c.rotary_dim, head, j);
 }
 
 /// Causal attention of one sequence: queries [Q][q_heads][D] at positions L − Q + i over
@@ -125,22 +100,11 @@ void attend(const GqaShape& s, const std::vector<double>& q, int Q, const std::v
 
 // --- Helpers. ----------------------------------------------------------------------------------
 
-struct Prompt {
-  std::vector<float> q, k, v;  // [tokens][heads][dim]
-};
-
-Prompt random_prompt(const GqaShape& s, std::int64_t tokens, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  Prompt p;
-  p.q.resize(static_cast<std::size_t>(tokens) * s.q_heads * s.head_dim);
-  p.k.resize(static_cast<std::size_t>(tokens) * s.kv_heads * s.head_dim);
-  p.v.resize(p.k.size());
-  for (auto& x : p.q) x = dist(rng);
-  for (auto& x : p.k) x = dist(rng);
-  for (auto& x : p.v) x = dist(rng);
-  return p;
-}
+using checks::expect_close;
+using checks::expect_lse_close;
+using checks::expect_out_close;
+using checks::Prompt;
+using checks::random_prompt;
 
 std::string describe(const RopeConfig& c) {
   return kvattn::detail::concat("rope style=", kvattn::to_string(c.style), " head_dim=", c.head_dim,
@@ -205,21 +169,6 @@ void expect_cached_keys_rotated(const kvattn::PagedKvCache<T>& cache, kvattn::Se
 /// in magnitude (a rotated pair of elements in [-1, 1]), so max|q| · max|k| <= 2.
 double score_error(const GqaShape& s) { return std::ldexp(1.0, -23) * std::sqrt(double(s.head_dim)) * 2.0; }
 
-/// Element-wise |got − ref| <= abs + rel · |ref|; an infinite reference must be matched exactly.
-void expect_close(const std::vector<float>& got, const std::vector<double>& ref, double abs, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size()) << what;
-  int bad = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const bool ok = std::isinf(ref[i]) ? got[i] == ref[i] : std::abs(got[i] - ref[i]) <= abs + rel * std::abs(ref[i]);
-    if (!ok && bad++ < 5) ADD_FAILURE() << what << " element " << i << ": got " << got[i] << ", reference " << ref[i];
-  }
-}
-void expect_out_close(const std::vector<float>& got, const std::vector<double>& ref, const std::string& what, double e_s = 0) {
-  expect_close(got, ref, (2e-5 + 2 * e_s) * 1.0 /* max|v| */, 2e-5, what);
-}
-void expect_lse_close(const std::vector<float>& got, const std::vector<double>& ref, const std::string& what, double e_s = 0) {
-  expect_close(got, ref, 2e-5 + e_s, 2e-5, what);
-}
 
 /// Prefills one sequence in the given chunks (each appended first); out and lse of every token.
 template <class T, class Isa>

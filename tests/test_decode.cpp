@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_checks.hpp"
 #include "reference.hpp"
 
 namespace {
@@ -90,24 +91,8 @@ void check(const Case& c, PF&& pf, int threads) {
   o.queries_per_seq = Q;
   o.window = c.window;
   o.soft_cap = c.soft_cap;
-  std::vector<double> ref, ref_lse;
   const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(D));  // scale · D = sqrt(D)
-  int reported = 0;
-  for (int b = 0; b < B; ++b) {
-    reference::decode(cache, seqs[static_cast<std::size_t>(b)], 0, c.shape, q.data() + static_cast<std::size_t>(b) * Q * H * D, o, ref, ref_lse);
-    for (std::size_t j = 0; j < ref.size(); ++j) {
-      const float got = out[static_cast<std::size_t>(b) * Q * H * D + j];
-      const double bound = (2e-5 + 2 * e_s) * vmax + 2e-5 * std::abs(ref[j]);
-      if (!(std::abs(got - ref[j]) <= bound) && reported++ < 5)
-        ADD_FAILURE() << "b=" << b << " element " << j << ": got " << got << ", reference " << ref[j] << ", bound " << bound;
-    }
-    for (std::size_t j = 0; j < ref_lse.size(); ++j) {
-      const float got = lse[static_cast<std::size_t>(b) * Q * H + j];
-      const double r = ref_lse[j];
-      const bool ok = std::isinf(r) ? got == -std::numeric_limits<float>::infinity() : std::abs(got - r) <= 2e-5 * (1 + std::abs(r)) + e_s;
-      if (!ok && reported++ < 5) ADD_FAILURE() << "b=" << b << " lse " << j << ": got " << got << ", reference " << r;
-    }
-  }
+  checks::expect_decode_matches(cache, seqs, c.shape, q, out, lse, o, vmax, e_s);
 }
 
 template <class Isa> struct IsaTag {

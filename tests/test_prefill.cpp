@@ -17,28 +17,18 @@
 #include <string>
 #include <vector>
 
+#include "attention_checks.hpp"
 #include "reference.hpp"
 
 namespace {
 
 using kvattn::GqaShape;
 
-struct Prompt {
-  std::vector<float> q, k, v;  // [tokens][heads][dim]
-};
-
-Prompt random_prompt(const GqaShape& s, std::int64_t tokens, unsigned seed, float q_scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  Prompt p;
-  p.q.resize(static_cast<std::size_t>(tokens) * s.q_heads * s.head_dim);
-  p.k.resize(static_cast<std::size_t>(tokens) * s.kv_heads * s.head_dim);
-  p.v.resize(p.k.size());
-  for (auto& x : p.q) x = dist(rng) * q_scale;
-  for (auto& x : p.k) x = dist(rng);
-  for (auto& x : p.v) x = dist(rng);
-  return p;
-}
+using checks::expect_close;
+using checks::expect_lse_close;
+using checks::expect_out_close;
+using checks::Prompt;
+using checks::random_prompt;
 
 /// Prefills one sequence in the given chunks; returns out and lse of every prompt token.
 template <class T, class Isa, class V = kvattn::Plain>
@@ -66,21 +56,6 @@ void run_chunks(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, const GqaShap
 /// e_s above, for keys in [-1, 1].
 double score_error(const GqaShape& s, double q_max) { return std::ldexp(1.0, -23) * q_max * std::sqrt(double(s.head_dim)); }
 
-/// Element-wise |got - ref| <= abs + rel · |ref|; an infinite reference must be matched exactly.
-void expect_close(const std::vector<float>& got, const std::vector<double>& ref, double abs, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size());
-  int bad = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const bool ok = std::isinf(ref[i]) ? got[i] == ref[i] : std::abs(got[i] - ref[i]) <= abs + rel * std::abs(ref[i]);
-    if (!ok && bad++ < 5) ADD_FAILURE() << what << " element " << i << ": got " << got[i] << ", reference " << ref[i];
-  }
-}
-void expect_out_close(const std::vector<float>& got, const std::vector<double>& ref, const std::string& what, double e_s = 0) {
-  expect_close(got, ref, (2e-5 + 2 * e_s) * 1.0 /* max|v| */, 2e-5, what);
-}
-void expect_lse_close(const std::vector<float>& got, const std::vector<double>& ref, const std::string& what, double e_s = 0) {
-  expect_close(got, ref, 2e-5 + e_s, 2e-5, what);
-}
 
 template <class T, class Isa, class V = kvattn::Plain>
 void check_against_reference(const GqaShape& s, int page, std::vector<std::int64_t> chunks, kvattn::PrefillParams params = {},

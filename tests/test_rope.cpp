@@ -25,53 +25,23 @@
 #include <string>
 #include <vector>
 
+#include "rope_reference.hpp"
+
 namespace {
 
 using kvattn::RopeConfig;
 using kvattn::RopeStyle;
 
-constexpr double kBound = 4.0 / 16777216.0;  // 4 · 2^-24
+constexpr double kBound = reference::kRopeBound;  // 4 · 2^-24
 
-// --- The reference: double precision, written from the definition. ---------------------------
+// The reference: rope_reference.hpp.
+using reference::pair_members;
+using reference::pair_scale;
 
-/// Element index of the two members of pair i within a head (rotary width R).
-void pair_members(RopeStyle style, int R, int i, int& first, int& second) {
-  if (style == RopeStyle::neox) {
-    first = i;
-    second = i + R / 2;
-  } else {
-    first = 2 * i;
-    second = 2 * i + 1;
-  }
-}
-
-/// out [tokens][heads][D] = the exact rotation of x (R == 0 means R == D).
+/// reference::rope over vectors.
 std::vector<double> reference_rope(RopeStyle style, int D, int R, double base, const std::vector<float>& x,
                                    std::int64_t tokens, int heads, const std::vector<std::int64_t>& positions) {
-  if (R == 0) R = D;
-  std::vector<double> out(x.begin(), x.end());
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (int h = 0; h < heads; ++h) {
-      const std::size_t off = static_cast<std::size_t>((t * heads + h) * D);
-      for (int i = 0; i < R / 2; ++i) {
-        const double theta = static_cast<double>(positions[static_cast<std::size_t>(t)]) / std::pow(base, (2.0 * i) / R);
-        int f, s;
-        pair_members(style, R, i, f, s);
-        const double a = x[off + static_cast<std::size_t>(f)], b = x[off + static_cast<std::size_t>(s)];
-        out[off + static_cast<std::size_t>(f)] = a * std::cos(theta) - b * std::sin(theta);
-        out[off + static_cast<std::size_t>(s)] = a * std::sin(theta) + b * std::cos(theta);
-      }
-    }
-  return out;
-}
-
-/// |a| + |b| of the input pair that element j of a head belongs to (0 for pass-through elements).
-double pair_scale(RopeStyle style, int R, const float* head, int j) {
-  if (j >= R) return 0.0;
-  const int i = style == RopeStyle::neox ? j % (R / 2) : j / 2;
-  int f, s;
-  pair_members(style, R, i, f, s);
-  return std::abs(static_cast<double>(head[f])) + std::abs(static_cast<double>(head[s]));
+  return reference::rope(style, D, R, base, x.data(), tokens, heads, positions.data());
 }
 
 std::vector<float> random_vector(std::size_t n, unsigned seed) {

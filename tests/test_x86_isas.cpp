@@ -33,7 +33,9 @@
 #include <type_traits>
 #include <vector>
 
+#include "attention_checks.hpp"
 #include "reference.hpp"
+#include "rope_reference.hpp"
 
 namespace {
 
@@ -160,24 +162,8 @@ template <class Isa, class T> void check_decode(const DecodeCase& c, kvattn::Thr
   o.queries_per_seq = Q;
   o.window = c.window;
   o.soft_cap = c.soft_cap;
-  std::vector<double> ref, ref_lse;
   const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(D));  // scale · D = sqrt(D)
-  int reported = 0;
-  for (int b = 0; b < B; ++b) {
-    reference::decode(cache, seqs[static_cast<std::size_t>(b)], 0, c.shape, q.data() + static_cast<std::size_t>(b) * Q * H * D, o, ref, ref_lse);
-    for (std::size_t j = 0; j < ref.size(); ++j) {
-      const float got = out[static_cast<std::size_t>(b) * Q * H * D + j];
-      const double bound = (2e-5 + 2 * e_s) * vmax + 2e-5 * std::abs(ref[j]);
-      if (!(std::abs(got - ref[j]) <= bound) && reported++ < 5)
-        ADD_FAILURE() << "b=" << b << " element " << j << ": got " << got << ", reference " << ref[j] << ", bound " << bound;
-    }
-    for (std::size_t j = 0; j < ref_lse.size(); ++j) {
-      const float got = lse[static_cast<std::size_t>(b) * Q * H + j];
-      const double r = ref_lse[j];
-      const bool ok = std::isinf(r) ? got == -std::numeric_limits<float>::infinity() : std::abs(got - r) <= 2e-5 * (1 + std::abs(r)) + e_s;
-      if (!ok && reported++ < 5) ADD_FAILURE() << "b=" << b << " lse " << j << ": got " << got << ", reference " << r;
-    }
-  }
+  checks::expect_decode_matches(cache, seqs, c.shape, q, out, lse, o, vmax, e_s);
 }
 
 template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
@@ -225,32 +211,10 @@ TYPED_TEST(IsaDecode, SeveralQueriesWindowSoftCapAndLargeLogits) {
 
 // ---- Prefill -------------------------------------------------------------------------------------
 
-struct Prompt {
-  std::vector<float> q, k, v;  // [tokens][heads][dim]
-};
+using checks::expect_close;
+using checks::Prompt;
+using checks::random_prompt;
 
-Prompt random_prompt(const GqaShape& s, std::int64_t tokens, unsigned seed, float q_scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  Prompt p;
-  p.q.resize(static_cast<std::size_t>(tokens) * s.q_heads * s.head_dim);
-  p.k.resize(static_cast<std::size_t>(tokens) * s.kv_heads * s.head_dim);
-  p.v.resize(p.k.size());
-  for (auto& x : p.q) x = dist(rng) * q_scale;
-  for (auto& x : p.k) x = dist(rng);
-  for (auto& x : p.v) x = dist(rng);
-  return p;
-}
-
-/// Element-wise |got - ref| <= abs + rel · |ref|; an infinite reference must be matched exactly.
-void expect_close(const std::vector<float>& got, const std::vector<double>& ref, double abs, double rel, const std::string& what) {
-  ASSERT_EQ(got.size(), ref.size());
-  int bad = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    const bool ok = std::isinf(ref[i]) ? got[i] == ref[i] : std::abs(got[i] - ref[i]) <= abs + rel * std::abs(ref[i]);
-    if (!ok && bad++ < 5) ADD_FAILURE() << what << " element " << i << ": got " << got[i] << ", reference " << ref[i];
-  }
-}
 
 /// As test_prefill.cpp's check_against_reference(): prefills one prompt in the given chunks (on a
 /// pool of 2 threads), then compares every token's output and lse with the reference.
@@ -330,47 +294,17 @@ TYPED_TEST(IsaPrefill, VariantsAndLargeLogits) {
 using kvattn::RopeConfig;
 using kvattn::RopeStyle;
 
-constexpr double kRopeBound = 4.0 / 16777216.0;  // 4 · 2^-24, as test_rope.cpp
 
-/// Element index of the two members of pair i within a head (rotary width R).
-void pair_members(RopeStyle style, int R, int i, int& first, int& second) {
-  if (style == RopeStyle::neox) {
-    first = i;
-    second = i + R / 2;
-  } else {
-    first = 2 * i;
-    second = 2 * i + 1;
-  }
-}
 
-/// out [tokens][heads][D] = the exact rotation of x (R == 0 means R == D), in double, written
-/// from the definition (none of rope.hpp's math).
+
+using reference::kRopeBound;
+using reference::pair_members;
+using reference::pair_scale;
+
+/// reference::rope over vectors.
 std::vector<double> reference_rope(RopeStyle style, int D, int R, double base, const std::vector<float>& x,
                                    std::int64_t tokens, int heads, const std::vector<std::int64_t>& positions) {
-  if (R == 0) R = D;
-  std::vector<double> out(x.begin(), x.end());
-  for (std::int64_t t = 0; t < tokens; ++t)
-    for (int h = 0; h < heads; ++h) {
-      const std::size_t off = static_cast<std::size_t>((t * heads + h) * D);
-      for (int i = 0; i < R / 2; ++i) {
-        const double theta = static_cast<double>(positions[static_cast<std::size_t>(t)]) / std::pow(base, (2.0 * i) / R);
-        int f, s;
-        pair_members(style, R, i, f, s);
-        const double a = x[off + static_cast<std::size_t>(f)], b = x[off + static_cast<std::size_t>(s)];
-        out[off + static_cast<std::size_t>(f)] = a * std::cos(theta) - b * std::sin(theta);
-        out[off + static_cast<std::size_t>(s)] = a * std::sin(theta) + b * std::cos(theta);
-      }
-    }
-  return out;
-}
-
-/// |a| + |b| of the input pair that element j of a head belongs to (0 for pass-through elements).
-double pair_scale(RopeStyle style, int R, const float* head, int j) {
-  if (j >= R) return 0.0;
-  const int i = style == RopeStyle::neox ? j % (R / 2) : j / 2;
-  int f, s;
-  pair_members(style, R, i, f, s);
-  return std::abs(static_cast<double>(head[f])) + std::abs(static_cast<double>(head[s]));
+  return reference::rope(style, D, R, base, x.data(), tokens, heads, positions.data());
 }
 
 std::vector<float> random_vector(std::size_t n, unsigned seed) {

@@ -136,7 +136,8 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
-/// keys[t] + value_minus_key; ahead[t] (t < n_ahead): a key row to prefetch (and its value row).
+/// keys[t] + value_minus_key; ahead[t] (t < n_ahead): a key row of a later unit, prefetched
+/// during the score pass (its value row during the value pass, pv_pairs).
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); qpos[r]: its position;
 /// o[r]: its running output [dim] in pair order, then {m, d}.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
