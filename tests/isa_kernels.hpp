@@ -12,6 +12,7 @@
 #pragma once
 
 #include <kvattn/decode.hpp>
+#include <kvattn/mla_decode.hpp>
 #include <kvattn/parallel.hpp>
 #include <kvattn/prefill.hpp>
 #include <kvattn/rope.hpp>
@@ -39,6 +40,9 @@ template <class Isa, class T> struct Kernels {
   static void prefill(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, std::int64_t n, const kvattn::GqaShape& shape,
                       const float* q, const float* k, const float* v, float* out, float* lse,
                       const kvattn::PrefillParams& params, Variant variant, kvattn::ThreadPool* pool);
+  /// kvattn::mla_decode(view, shape, q, out, lse, params, ..., Isa{}).
+  static void mla_decode(const kvattn::PagedKvView<T>& view, const kvattn::MlaShape& shape, const float* q, float* out,
+                         float* lse, const kvattn::MlaDecodeParams& params, kvattn::ThreadPool* pool);
   /// kvattn::convert_row(Isa{}, ...): src [n] -> dst [n], T to fp32 and fp32 to T.
   static void widen(const T* src, float* dst, std::size_t n) noexcept;
   static void narrow(const float* src, T* dst, std::size_t n) noexcept;

@@ -45,6 +45,14 @@ void Kernels<Isa, T>::prefill(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq,
   });
 }
 
+template <class Isa, class T>
+void Kernels<Isa, T>::mla_decode(const kvattn::PagedKvView<T>& view, const kvattn::MlaShape& shape, const float* q, float* out,
+                                 float* lse, const kvattn::MlaDecodeParams& params, kvattn::ThreadPool* pool) {
+  kvattn::MlaDecodeWorkspace ws;
+  if (pool != nullptr) kvattn::mla_decode(view, shape, q, out, lse, params, ws, *pool, Isa{});
+  else kvattn::mla_decode(view, shape, q, out, lse, params, ws, kvattn::SerialFor{}, Isa{});
+}
+
 template <class Isa, class T> void Kernels<Isa, T>::widen(const T* src, float* dst, std::size_t n) noexcept {
   kvattn::convert_row(Isa{}, src, dst, n);
 }

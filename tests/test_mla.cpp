@@ -3,9 +3,7 @@
 // the top of mla.hpp, on the same rounded inputs (the latents are read back from the cache).
 //
 // Bounds, element-wise:
-//  - mla_decode (absorbed queries given): as the GQA decode tests, |out − ref| <=
-//    (2e-5 + 2·e_s) · max|c| + 2e-5 · |ref| and |lse − ref| <= 2e-5 · (1 + |ref|) + e_s, with
-//    e_s = 2^-23 · scale · (latent_dim + rope_dim) · max|q| · max|c| the rounding of one fp32 score.
+//  - mla_decode (absorbed queries given): as the GQA decode tests (mla_reference.hpp).
 //  - The whole layer: hidden states pass through up to five fp32 matrix products (inner widths
 //    up to 512 here) before and after attention; with entries scaled so every product is O(1),
 //    each contributes a relative error below about 2^-24 · sqrt(width) · a few. The bound is
@@ -39,6 +37,7 @@
 #include <vector>
 
 #include "cache_snapshot.hpp"
+#include "mla_reference.hpp"
 #include "rope_reference.hpp"
 
 namespace {
@@ -65,42 +64,6 @@ std::vector<float> uniform(std::size_t n, unsigned seed, float scale = 1.0f) {
 }
 
 // ---- the kernel: mla_decode against double attention over the cached rows ----------------------
-
-/// out [Q][heads][latent_dim], lse [Q][heads] of one sequence; q [Q][heads][latent_dim + rope_dim].
-template <class T>
-void reference_attention(const PagedKvCache<T>& cache, SeqId seq, const MlaShape& s, const float* q, int Q, double scale,
-                         std::vector<double>& out, std::vector<double>& lse) {
-  const int H = s.heads, Dc = s.latent_dim, K = s.latent_dim + s.rope_dim;
-  const std::int64_t L = cache.length(seq);
-  std::vector<float> rows(static_cast<std::size_t>(L * K));
-  for (std::int64_t t = 0; t < L; ++t) cache.read_latent(seq, 0, t, &rows[t * K], &rows[t * K + Dc]);
-  out.assign(static_cast<std::size_t>(Q) * H * Dc, 0.0);
-  lse.assign(static_cast<std::size_t>(Q) * H, kNegInf);
-  std::vector<double> sc(static_cast<std::size_t>(L));
-  for (int i = 0; i < Q; ++i) {
-    const std::int64_t seen = L - Q + i + 1;  // positions 0 .. L − Q + i
-    for (int h = 0; h < H; ++h) {
-      const float* qv = q + (std::int64_t{i} * H + h) * K;
-      double m = kNegInf;
-      for (std::int64_t t = 0; t < seen; ++t) {
-        double dot = 0;
-        for (int k = 0; k < K; ++k) dot += double(qv[k]) * rows[t * K + k];
-        sc[t] = dot * scale;
-        m = std::max(m, sc[t]);
-      }
-      if (seen <= 0) continue;
-      double d = 0;
-      double* o = &out[(std::size_t(i) * H + h) * Dc];
-      for (std::int64_t t = 0; t < seen; ++t) {
-        const double p = std::exp(sc[t] - m);
-        d += p;
-        for (int c = 0; c < Dc; ++c) o[c] += p * rows[t * K + c];
-      }
-      for (int c = 0; c < Dc; ++c) o[c] /= d;
-      lse[std::size_t(i) * H + h] = m + std::log(d);
-    }
-  }
-}
 
 struct KernelCase {
   MlaShape shape;
@@ -147,25 +110,7 @@ template <class Isa, class T> std::vector<float> check_kernel(const KernelCase& 
   kvattn::MlaDecodeWorkspace ws;
   kvattn::mla_decode<Isa>(cache.view(table, 0), s, q.data(), out.data(), lse.data(), p, ws);
 
-  const double scale = 1.0 / std::sqrt(double(s.qk_head_dim()));
-  const double e_s = std::ldexp(1.0, -23) * scale * K * c.q_scale;  // max|c| = 1
-  std::vector<double> ref, ref_lse;
-  int reported = 0;
-  for (int b = 0; b < B; ++b) {
-    reference_attention(cache, seqs[b], s, q.data() + std::size_t(b) * Q * H * K, Q, scale, ref, ref_lse);
-    for (std::size_t j = 0; j < ref.size(); ++j) {
-      const float got = out[std::size_t(b) * Q * H * Dc + j];
-      const double bound = (2e-5 + 2 * e_s) + 2e-5 * std::abs(ref[j]);
-      if (!(std::abs(got - ref[j]) <= bound) && reported++ < 5)
-        ADD_FAILURE() << "b=" << b << " out element " << j << ": got " << got << ", reference " << ref[j];
-    }
-    for (std::size_t j = 0; j < ref_lse.size(); ++j) {
-      const float got = lse[std::size_t(b) * Q * H + j];
-      const double r = ref_lse[j];
-      const bool ok = std::isinf(r) ? got == r : std::abs(got - r) <= 2e-5 * (1 + std::abs(r)) + e_s;
-      if (!ok && reported++ < 5) ADD_FAILURE() << "b=" << b << " lse " << j << ": got " << got << ", reference " << r;
-    }
-  }
+  checks::expect_mla_decode_matches(cache, seqs, s, q, Q, out, lse, c.q_scale);
   return out;
 }
 

@@ -7,13 +7,16 @@
 // 80 and 7, page sizes 1, 7, 16, contexts 0, 1, page size ± 1 and thousands, several queries per
 // sequence, sliding window, soft-cap and huge logits, serial and threaded, split-KV; prefill over
 // group sizes 1, 3, 4, 8, head sizes 64, 128, 256, 80, 7, chunked prompts up to 500 tokens,
-// query blocks, variants; RoPE in both styles, whole and partial widths; fp16 and bf16 to fp32
-// and back. Storage fp32, fp16 and bf16 throughout.
+// query blocks, variants; MLA decode in latent space (mla_decode) over DeepSeek-V2's head layout
+// and awkward widths, several queries, split, threaded, huge logits; RoPE in both styles, whole
+// and partial widths; fp16 and bf16 to fp32 and back. Storage fp32, fp16 and bf16 throughout.
 //
 // Bounds, the same as the tests of the native path:
 //  - decode and prefill, element-wise against reference.hpp (test_decode.cpp, test_prefill.cpp):
 //    |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref|, |lse - ref| <= 2e-5 · (1 + |ref|) + e_s,
 //    e_s = 2^-23 · scale · head_dim · max|q| · max|k|, the rounding of one fp32 score;
+//  - MLA decode against mla_reference.hpp, with the same form of bound (e_s over latent_dim +
+//    rope_dim);
 //  - RoPE against an exact rotation in double (test_rope.cpp): |got − ref| <= 4 · 2^-24 · (|a| + |b|)
 //    for the input pair (a, b); pass-through elements and position 0 bit-identical;
 //  - conversions bit for bit equal to the element-wise to_float / from_float (which test_storage.cpp
@@ -34,6 +37,7 @@
 #include <vector>
 
 #include "attention_checks.hpp"
+#include "mla_reference.hpp"
 #include "reference.hpp"
 #include "rope_reference.hpp"
 
@@ -207,6 +211,65 @@ TYPED_TEST(IsaDecode, SeveralQueriesWindowSoftCapAndLargeLogits) {
   check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 4, 128), 16, {300, 5}, 2, 64, 30.0f, 70, 40.0f});
   // Queries of size ~1e4 make scores ~1e5: a naive exp overflows, the online softmax does not.
   check_decode<TypeParam, float>(DecodeCase{GqaShape::gqa(4, 2, 64), 16, {200, 3}, 1, 0, 0, 50, 1e4f});
+}
+
+// ---- MLA decode ----------------------------------------------------------------------------------
+
+/// As test_mla.cpp's check_kernel, with the kernel of Isa.
+template <class Isa, class T>
+void check_mla(const kvattn::MlaShape& s, int page_size, const std::vector<std::int64_t>& lengths, int Q,
+               std::int64_t chunk = 0, float q_scale = 1.0f, kvattn::ThreadPool* pool = nullptr) {
+  std::string l;
+  for (auto n : lengths) l += std::to_string(n) + ",";
+  SCOPED_TRACE(kvattn::detail::concat("heads=", s.heads, " latent=", s.latent_dim, " rope=", s.rope_dim, " page=", page_size,
+                                      " Q=", Q, " chunk=", chunk, " lengths=", l, " storage=", kvattn::storage_traits<T>::name,
+                                      " isa=", Isa::name));
+  std::int64_t pages = 0;
+  for (auto n : lengths) pages += (n + page_size - 1) / page_size;
+  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page_size, std::max<std::int64_t>(1, pages), s});
+  std::mt19937 rng(static_cast<unsigned>(lengths.size() * 7 + s.latent_dim));
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<kvattn::SeqId> seqs;
+  for (auto n : lengths) {
+    seqs.push_back(cache.add_sequence());
+    if (n == 0) continue;
+    cache.append(seqs.back(), n);
+    std::vector<float> lat(static_cast<std::size_t>(n) * s.latent_dim), rope(static_cast<std::size_t>(n) * s.rope_dim);
+    for (auto& x : lat) x = dist(rng);
+    for (auto& x : rope) x = dist(rng);
+    cache.write_latent(seqs.back(), 0, 0, n, lat.data(), rope.data());
+  }
+  const std::size_t B = seqs.size(), H = static_cast<std::size_t>(s.heads);
+  std::vector<float> q(B * Q * H * static_cast<std::size_t>(s.latent_dim + s.rope_dim));
+  for (auto& x : q) x = dist(rng) * q_scale;
+  std::vector<float> out(B * Q * H * static_cast<std::size_t>(s.latent_dim), 123.0f), lse(B * Q * H, 123.0f);
+  const kvattn::BatchPageTable table = cache.page_table(seqs);
+  kvattn::MlaDecodeParams p;
+  p.queries_per_seq = Q;
+  p.chunk_tokens = chunk;
+  p.threads = pool ? pool->threads() : 1;
+  K<Isa, T>::mla_decode(cache.view(table, 0), s, q.data(), out.data(), lse.data(), p, pool);
+  checks::expect_mla_decode_matches(cache, seqs, s, q, Q, out, lse, q_scale);
+}
+
+template <class Isa> class IsaMla : public OnThisCpu<Isa> {};
+TYPED_TEST_SUITE(IsaMla, Isas, IsaName);
+
+TYPED_TEST(IsaMla, ShapesPagesContextsAndStorage) {
+  const kvattn::MlaShape odd{3, 40, 6, 16, 12, 0}, one{1, 17, 2, 8, 8, 0}, lite{16, 512, 64, 128, 128, 0};
+  for (int page : {1, 7, 16}) {
+    check_mla<TypeParam, float>(odd, page, {0, 1, 31, 64, 65, 200}, 1);
+    check_mla<TypeParam, kvattn::fp16>(one, page, {0, 1, 2, 100}, 3);
+    check_mla<TypeParam, kvattn::bf16>(lite, page, {1, 70}, 2);
+  }
+}
+
+TYPED_TEST(IsaMla, DeepSeekV2SplitThreadedAndLargeLogits) {
+  kvattn::ThreadPool pool(3);
+  const kvattn::MlaShape v2{128, 512, 64, 128, 128, 1536};
+  check_mla<TypeParam, kvattn::bf16>(v2, 16, {600, 1}, 1, 0, 1.0f, &pool);
+  check_mla<TypeParam, float>({5, 64, 8, 24, 16, 32}, 7, {1000, 0, 130}, 2, 64, 1.0f, &pool);
+  check_mla<TypeParam, kvattn::fp16>({3, 40, 6, 16, 12, 0}, 16, {300, 5}, 2, 0, 300.0f);
 }
 
 // ---- Prefill -------------------------------------------------------------------------------------

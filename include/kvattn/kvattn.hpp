@@ -16,3 +16,5 @@
 #include "prefill.hpp"
 #include "rope.hpp"
 #include "append.hpp"
+#include "mla_decode.hpp"
+#include "mla.hpp"

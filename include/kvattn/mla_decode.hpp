@@ -57,53 +57,64 @@ KVATTN_BEGIN_TARGET_NAMESPACE
 namespace mla_impl {
 
 /// Tokens per tile: converted to fp32 once, then read by every query row.
-inline constexpr int kMlaTile = 32;
+inline constexpr int kMlaTile = 64;
 /// Register blocks. Scores: kRows query rows × kTokens tokens, one accumulator vector each
 /// (lanes along the inner dimension, summed lanes-wise at the end with Vec::sum_each). Values:
 /// kRows rows × kVecs vectors of columns (lanes along the latent). 16 accumulators where there
 /// are 32 vector registers, 8 on AVX2.
 template <class Isa> constexpr int rows_block() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
+template <class Isa> constexpr int score_rows() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
+template <class Isa> constexpr int score_tokens() { return std::is_same_v<Isa, isa::avx2> ? 4 : 4; }
 inline constexpr int kTokens = 4;
 inline constexpr int kVecs = 4;
+/// Tokens of the tile scored against every row block before the next ones.
+inline constexpr int kScoreGroup = 8;
 /// Query rows are padded to a multiple of this (every rows_block divides it).
-inline constexpr int kRowPad = 4;
+inline constexpr int kRowPad = 8;
 
 constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+/// Floats in a cache line: every row an item works on starts on one (a vector load that
+/// straddles two lines costs two).
+inline constexpr int kLineFloats = 16;
 
 /// Widths of one item's arrays, in floats.
 template <class Isa> struct Dims {
   int K;                 ///< scored width, latent_dim + rope_dim
-  int Kp;                ///< K rounded up to whole vectors (queries and tile rows, zero padded)
+  int Kp;                ///< K rounded up to whole cache lines (queries and tile rows, zero padded)
   int Dp;                ///< latent_dim rounded up to whole vectors (output columns computed)
   int rows, rows_p;      ///< query rows Q · heads, and rounded up to kRowPad
-  std::int64_t o_stride;  ///< floats per output row: Dp, then {m, d}
+  std::int64_t o_stride;  ///< floats per output row: Dp, then {m, d}, whole cache lines
 
   Dims(const MlaShape& s, int Q) {
     constexpr int W = simd::Vec<Isa>::lanes;
     K = s.latent_dim + s.rope_dim;
-    Kp = static_cast<int>(round_up(K, W));
+    Kp = static_cast<int>(round_up(K, kLineFloats));
     Dp = static_cast<int>(round_up(s.latent_dim, W));
     rows = Q * s.heads;
     rows_p = static_cast<int>(round_up(rows, kRowPad));
-    o_stride = Dp + 2;
+    o_stride = round_up(Dp + 2, kLineFloats);
   }
   /// Floats of one item: outputs [rows_p][o_stride], queries [rows_p][Kp], tile [kMlaTile][Kp],
-  /// probabilities [rows_p][kMlaTile].
+  /// probabilities [rows_p][kMlaTile], rescale factors [rows_p].
   std::int64_t item_floats() const {
-    return std::int64_t{rows_p} * o_stride + std::int64_t{rows_p} * Kp + std::int64_t{kMlaTile} * Kp +
-           std::int64_t{rows_p} * kMlaTile;
+    return round_up(std::int64_t{rows_p} * o_stride + std::int64_t{rows_p} * Kp + std::int64_t{kMlaTile} * Kp +
+                        std::int64_t{rows_p} * kMlaTile + rows_p,
+                    kLineFloats);
   }
 };
 
 /// s[r][t0 + t] = Σ_k q[r][k] · c[t][k] for R rows and kTokens tokens (rows Kp apart).
-template <class Isa, int R>
-KVATTN_ALWAYS_INLINE void score_block(const float* q, const float* c, int Kp, float (*s)[kMlaTile], int t0) noexcept {
+template <class Isa, int R, int kTokens>
+KVATTN_ALWAYS_INLINE void score_block(const float* q, const float* c, int Kp, float (*s)[kMlaTile], int t0,
+                                      const float* next_q) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, N = R * kTokens;
   static_assert(N % W == 0, "the accumulators are summed lanes-wise in groups of W");
   Vec acc[N];
   KVATTN_UNROLL for (int i = 0; i < N; ++i) acc[i] = Vec::zero();
   for (int k = 0; k < Kp; k += W) {
+    if (next_q != nullptr)
+      KVATTN_UNROLL for (int r = 0; r < R; ++r) KVATTN_PREFETCH(next_q + std::int64_t{r} * Kp + k);
     Vec cv[kTokens];
     KVATTN_UNROLL for (int t = 0; t < kTokens; ++t) cv[t] = Vec::load(c + std::int64_t{t} * Kp + k);
     KVATTN_UNROLL for (int r = 0; r < R; ++r) {
@@ -154,6 +165,7 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
   float* qs = scratch;                                  // [rows_p][Kp]
   float* tile = qs + std::int64_t{rows_p} * Kp;         // [kMlaTile][Kp]
   auto* s = reinterpret_cast<float (*)[kMlaTile]>(tile + std::int64_t{kMlaTile} * Kp);  // [rows_p][kMlaTile]
+  float* alpha = tile + std::int64_t{kMlaTile} * Kp + std::int64_t{rows_p} * kMlaTile;   // [rows_p]
 
   for (int r = 0; r < rows_p; ++r) {  // start empty; queries scaled, zero padded
     float* orow = o + r * os;
@@ -171,7 +183,6 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
   const int P = kv.layout.page_size;
   const auto row_of = [&](std::int64_t t) { return kv.page(pages[t / P]) + kv.layout.latent(static_cast<int>(t % P)); };
   const int row_bytes = K * static_cast<int>(sizeof(T));
-  float alpha[kRowPad];
 
   for (std::int64_t t0 = begin; t0 < end; t0 += kMlaTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kMlaTile, end - t0));
@@ -188,47 +199,51 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
     }
     for (int t = n; t < n_pad; ++t) std::fill(tile + std::int64_t{t} * Kp, tile + std::int64_t{t + 1} * Kp, 0.0f);
 
-    // 1. Scores of every row against the tile.
-    for (int r0 = 0; r0 < rows_p; r0 += R)
-      for (int tb = 0; tb < n_pad; tb += kTokens)
-        score_block<Isa, R>(qs + std::int64_t{r0} * Kp, tile + std::int64_t{tb} * Kp, Kp, s + r0, tb);
+    // 1. Scores of every row against the tile: groups of kScoreGroup tokens (which stay in the
+    //    first-level cache) against every block of rows in turn.
+    constexpr int RS = score_rows<Isa>(), NT = score_tokens<Isa>();
+    for (int tg = 0; tg < n_pad; tg += kScoreGroup)
+      for (int r0 = 0; r0 < rows_p; r0 += RS)
+        for (int tb = tg; tb < std::min(tg + kScoreGroup, n_pad); tb += NT)
+          score_block<Isa, RS, NT>(qs + std::int64_t{r0} * Kp, tile + std::int64_t{tb} * Kp, Kp, s + r0, tb,
+                                   tb == tg && W > 1 ? qs + std::int64_t{(r0 + RS) % rows_p} * Kp : nullptr);
 
     // 2. Online softmax per row; the tokens row r sees are [0, hi) of the tile.
-    for (int r0 = 0; r0 < rows_p; r0 += R) {
-      for (int rr = 0; rr < R; ++rr) {
-        const int r = r0 + rr;
-        float* orow = o + r * os;
-        const std::int64_t last = r < rows ? length - Q + r / heads - t0 : -1;  // padding rows see nothing
-        const int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n));
-        for (int t = hi; t < kMlaTile; ++t) s[r][t] = kNegInf;
-        const float m_old = orow[Dp];
-        Vec m = Vec::load(&s[r][0]);
-        for (int g = W; g < kMlaTile; g += W) m = max(m, Vec::load(&s[r][g]));
-        float m_new = m_old;
-        alpha[rr] = 1.0f;
-        if (any_greater(m, Vec::set1(m_old))) {
-          m_new = std::max(m_old, m.reduce_max());
-          alpha[rr] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
-        }
-        if (m_new == kNegInf) {
-          std::fill(s[r], s[r] + kMlaTile, 0.0f);
-          continue;
-        }
-        Vec sum = Vec::zero();
-        for (int g = 0; g < kMlaTile; g += W) {
-          const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));
-          e.store(&s[r][g]);
-          sum = sum + e;
-        }
-        orow[Dp] = m_new;
-        orow[Dp + 1] = orow[Dp + 1] * alpha[rr] + sum.reduce_add();
+    for (int r = 0; r < rows_p; ++r) {
+      float* orow = o + r * os;
+      const std::int64_t last = r < rows ? length - Q + r / heads - t0 : -1;  // padding rows see nothing
+      const int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n));
+      for (int t = hi; t < kMlaTile; ++t) s[r][t] = kNegInf;
+      const float m_old = orow[Dp];
+      Vec m = Vec::load(&s[r][0]);
+      for (int g = W; g < kMlaTile; g += W) m = max(m, Vec::load(&s[r][g]));
+      float m_new = m_old;
+      alpha[r] = 1.0f;
+      if (any_greater(m, Vec::set1(m_old))) {
+        m_new = std::max(m_old, m.reduce_max());
+        alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
       }
-      // 3. o = alpha · o + P · C over the latent columns, for these R rows.
-      float* ob = o + r0 * os;
-      int c = 0;
-      for (; c + kVecs * W <= Dp; c += kVecs * W) value_block<Isa, R, kVecs>(tile, Kp, n, s + r0, alpha, ob, os, c);
-      for (; c < Dp; c += W) value_block<Isa, R, 1>(tile, Kp, n, s + r0, alpha, ob, os, c);
+      if (m_new == kNegInf) {
+        std::fill(s[r], s[r] + kMlaTile, 0.0f);
+        continue;
+      }
+      Vec sum = Vec::zero();
+      for (int g = 0; g < kMlaTile; g += W) {
+        const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));
+        e.store(&s[r][g]);
+        sum = sum + e;
+      }
+      orow[Dp] = m_new;
+      orow[Dp + 1] = orow[Dp + 1] * alpha[r] + sum.reduce_add();
     }
+
+    // 3. o = alpha · o + P · C over the latent columns: a block of columns of the tile (which
+    //    stays in the first-level cache) against every block of rows in turn.
+    int c = 0;
+    for (; c + kVecs * W <= Dp; c += kVecs * W)
+      for (int r0 = 0; r0 < rows_p; r0 += R) value_block<Isa, R, kVecs>(tile, Kp, n, s + r0, alpha + r0, o + r0 * os, os, c);
+    for (; c < Dp; c += W)
+      for (int r0 = 0; r0 < rows_p; r0 += R) value_block<Isa, R, 1>(tile, Kp, n, s + r0, alpha + r0, o + r0 * os, os, c);
   }
   for (int r = 0; r < rows; ++r) {  // normalize: o = Σ p c / d
     float* orow = o + r * os;
@@ -276,7 +291,7 @@ void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q,
   for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
   std::int64_t chunk = p.chunk_tokens;
   if (chunk == 0) {
-    const std::int64_t want = std::int64_t{4} * p.threads;
+    const std::int64_t want = std::int64_t{2} * p.threads;
     constexpr std::int64_t tile = mla_impl::kMlaTile;
     chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
                              : std::max<std::int64_t>(8 * tile, ((total + want - 1) / want + tile - 1) / tile * tile);
@@ -295,11 +310,15 @@ void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q,
     }
     ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
   }
-  if (ws.partial.size() < static_cast<std::size_t>(floats)) ws.partial.resize(static_cast<std::size_t>(floats));
+  // (One line more than needed, so that the items can start on a cache line.)
+  if (ws.partial.size() < static_cast<std::size_t>(floats + mla_impl::kLineFloats))
+    ws.partial.resize(static_cast<std::size_t>(floats + mla_impl::kLineFloats));
+  const std::size_t past_line = reinterpret_cast<std::uintptr_t>(ws.partial.data()) % (mla_impl::kLineFloats * sizeof(float));
+  float* const base = ws.partial.data() + (past_line == 0 ? 0 : mla_impl::kLineFloats - past_line / sizeof(float));
 
   pf(static_cast<std::int64_t>(ws.items.size()), [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
-    float* o = ws.partial.data() + it.partial;
+    float* o = base + it.partial;
     float* scratch = o + std::int64_t{dims.rows_p} * dims.o_stride;
     mla_impl::mla_item<Isa>(kv, dims, it.seq, it.begin, it.end, q + it.seq * q_seq, H, Q, scale, o, scratch);
   });
@@ -313,7 +332,7 @@ void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q,
     const std::int64_t first = ws.first_item[static_cast<std::size_t>(b)];
     const std::int64_t last = ws.first_item[static_cast<std::size_t>(b) + 1];
     for (std::int64_t c = first; c < last; ++c) {
-      const float* part = ws.partial.data() + ws.items[static_cast<std::size_t>(c)].partial + r * dims.o_stride;
+      const float* part = base + ws.items[static_cast<std::size_t>(c)].partial + r * dims.o_stride;
       merge_state(orow, st, part, SoftmaxStats{part[dims.Dp], part[dims.Dp + 1]}, static_cast<std::size_t>(Dc));
     }
     if (lse) lse[std::int64_t{b} * dims.rows + r] = st.lse();
