@@ -60,11 +60,20 @@ struct DecodeWorkspace {
   struct Item {
     std::int32_t seq;
     std::int64_t begin, end;  ///< key positions [begin, end)
-    std::int64_t partial;     ///< offset of this item's [kv_heads][rows][head_dim + 2] floats in `partial`
+    std::int64_t partial;     ///< offset of this item's floats from aligned_partial()
   };
   std::vector<Item> items;
   std::vector<std::int64_t> first_item;  ///< [batch + 1]: the items of sequence b
   std::vector<float> partial;
+
+  /// `floats` floats of `partial` starting on a cache line (grown as needed): every row an item
+  /// works on can then start on one (a vector load that straddles two lines costs two).
+  float* aligned_partial(std::int64_t floats) {
+    constexpr std::size_t line = 64 / sizeof(float);
+    if (partial.size() < static_cast<std::size_t>(floats) + line) partial.resize(static_cast<std::size_t>(floats) + line);
+    const std::size_t past = reinterpret_cast<std::uintptr_t>(partial.data()) % 64 / sizeof(float);
+    return partial.data() + (past == 0 ? 0 : line - past);
+  }
 
   std::size_t bytes() const noexcept {
     return items.capacity() * sizeof(Item) + first_item.capacity() * sizeof(std::int64_t) + partial.capacity() * sizeof(float);
@@ -99,6 +108,9 @@ inline constexpr int kDecodeTile = 32;
 /// Query rows whose accumulators stay in registers together: two vectors per row in the
 /// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16 (AVX2).
 template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
+/// Floats of one row of an item's partial result: the output [dim] and {m, d}, rounded up to
+/// whole cache lines so that every row starts on one.
+constexpr std::int64_t partial_row_floats(int dim) { return (std::int64_t{dim} + 2 + 15) / 16 * 16; }
 /// Tokens of a span (see Span).
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head block.
@@ -303,7 +315,8 @@ template <class T> struct SpanWalker {
 /// they lie in a page (PageLayout: [K, V][kv_heads][page_size][dim]), so the reads of a step are
 /// long runs of neighbouring bytes, and the span kPrefetchUnits (span, head) units ahead is
 /// prefetched meanwhile. Writes the normalized partial output and {m, d} of every row to `part`:
-/// [kv_heads][rows][D + 2], rows = group · Q (row r: query i = r / group, head h·group + r % group).
+/// [kv_heads][rows][row_floats(dim)], rows = group · Q (row r: query i = r / group, head
+/// h·group + r % group), each row its output [dim] in pair order then {m, d}.
 /// D is the head size (0: read it from the layout at run time).
 template <class Isa, int D, class V, class T>
 void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int64_t end, const float* q, int group,
@@ -312,7 +325,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
   const int dim = D > 0 ? D : kv.layout.head_dim;
   const int H = kv.layout.kv_heads, rows = group * Q;
   const std::int64_t length = kv.length(seq);
-  const std::int64_t stride = dim + 2;
+  const std::int64_t stride = partial_row_floats(dim);
   constexpr int kRowBlock = decode_row_block<Isa>();
 
   for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {  // start empty
@@ -435,8 +448,10 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
     chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
                              : std::max<std::int64_t>(256, ((total + want - 1) / want + span - 1) / span * span);
   }
-  // Per item: the partial outputs [kv_heads][rows][D + 2], then its queries [kv_heads][rows][D].
-  const std::int64_t item_floats = std::int64_t{shape.kv_heads} * rows * (2 * D + 2);
+  // Per item: the partial outputs [kv_heads][rows][row_floats], then its queries
+  // [kv_heads][rows][D], rounded up to a cache line.
+  const std::int64_t row_floats = decode_impl::partial_row_floats(D);
+  const std::int64_t item_floats = (std::int64_t{shape.kv_heads} * rows * (row_floats + D) + 15) / 16 * 16;
   ws.items.clear();
   ws.first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
   std::int64_t floats = 0;
@@ -450,13 +465,13 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
     }
     ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
   }
-  if (ws.partial.size() < static_cast<std::size_t>(floats)) ws.partial.resize(static_cast<std::size_t>(floats));
+  float* const base = ws.aligned_partial(floats);
 
   const auto run_item = [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
     const float* qb = q + it.seq * q_seq_stride;
-    float* part = ws.partial.data() + it.partial;
-    float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * (D + 2);
+    float* part = base + it.partial;
+    float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
     switch (D) {  // the common head sizes get loops of constant length
       case 64: decode_impl::decode_item<Isa, 64, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
       case 128: decode_impl::decode_item<Isa, 128, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
@@ -477,7 +492,7 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
       SoftmaxStats st;
       std::fill(o, o + D, 0.0f);
       for (std::int64_t c = first; c < last; ++c) {
-        const float* part = ws.partial.data() + ws.items[static_cast<std::size_t>(c)].partial + (std::int64_t{h} * rows + r) * (D + 2);
+        const float* part = base + ws.items[static_cast<std::size_t>(c)].partial + (std::int64_t{h} * rows + r) * row_floats;
         merge_state(o, st, part, SoftmaxStats{part[D], part[D + 1]}, static_cast<std::size_t>(D));
       }
       if (lse) lse[(std::int64_t{b} * Q + i) * shape.q_heads + head] = st.lse();

@@ -310,11 +310,7 @@ void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q,
     }
     ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
   }
-  // (One line more than needed, so that the items can start on a cache line.)
-  if (ws.partial.size() < static_cast<std::size_t>(floats + mla_impl::kLineFloats))
-    ws.partial.resize(static_cast<std::size_t>(floats + mla_impl::kLineFloats));
-  const std::size_t past_line = reinterpret_cast<std::uintptr_t>(ws.partial.data()) % (mla_impl::kLineFloats * sizeof(float));
-  float* const base = ws.partial.data() + (past_line == 0 ? 0 : mla_impl::kLineFloats - past_line / sizeof(float));
+  float* const base = ws.aligned_partial(floats);
 
   pf(static_cast<std::int64_t>(ws.items.size()), [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
