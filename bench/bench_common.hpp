@@ -24,6 +24,7 @@
 
 #include <benchmark/benchmark.h>
 #include <kvattn/config.hpp>
+#include <kvattn/parallel.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -95,6 +96,24 @@ inline void report_bytes(benchmark::State& state, std::int64_t bytes_per_iterati
 inline void report_flops(benchmark::State& state, double flops_per_iteration) {
   const double flops = static_cast<double>(state.iterations()) * flops_per_iteration;
   state.counters["FLOP/s"] = benchmark::Counter(flops, benchmark::Counter::kIsRate);
+}
+
+/// The pool of N threads shared by a program's benchmarks (its workers sleep between calls).
+inline kvattn::ThreadPool& shared_pool(int threads) {
+  static std::unique_ptr<kvattn::ThreadPool> pool;
+  if (!pool || pool->threads() != threads) {
+    pool.reset();
+    pool = std::make_unique<kvattn::ThreadPool>(threads);
+  }
+  return *pool;
+}
+
+/// Runs f(pf) with the parallel-for of `threads`: SerialFor for 1, the shared pool otherwise.
+template <class F> void with_parallel_for(int threads, F&& f) {
+  if (threads == 1)
+    f(kvattn::SerialFor{});
+  else
+    f(shared_pool(threads));
 }
 
 namespace detail {

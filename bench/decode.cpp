@@ -112,23 +112,8 @@ std::int64_t kv_bytes(const GqaShape& shape, std::int64_t batch, std::int64_t ct
 
 std::string mib(std::int64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
 
-/// The pool of N threads shared by every benchmark and the fill (its workers sleep between calls).
-kvattn::ThreadPool& shared_pool(int threads) {
-  static std::unique_ptr<kvattn::ThreadPool> pool;
-  if (!pool || pool->threads() != threads) {
-    pool.reset();
-    pool = std::make_unique<kvattn::ThreadPool>(threads);
-  }
-  return *pool;
-}
-
-/// Runs f(pf) with the parallel-for of `threads`: SerialFor for 1, the shared pool otherwise.
-template <class F> void with_parallel_for(int threads, F&& f) {
-  if (threads == 1)
-    f(kvattn::SerialFor{});
-  else
-    f(shared_pool(threads));
-}
+using kvattn::bench::shared_pool;
+using kvattn::bench::with_parallel_for;
 
 // ---- the pool ---------------------------------------------------------------------------------
 

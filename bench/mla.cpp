@@ -58,20 +58,8 @@ constexpr int kBatches[] = {1, 8};
 constexpr int kThreads[] = {1, 2};
 constexpr std::int64_t kMhaMaxBytes = std::int64_t{2} << 30;  // K/V of the MHA configurations, at most
 
-kvattn::ThreadPool& shared_pool(int threads) {
-  static std::unique_ptr<kvattn::ThreadPool> pool;
-  if (!pool || pool->threads() != threads) {
-    pool.reset();
-    pool = std::make_unique<kvattn::ThreadPool>(threads);
-  }
-  return *pool;
-}
-template <class F> void with_parallel_for(int threads, F&& f) {
-  if (threads == 1)
-    f(kvattn::SerialFor{});
-  else
-    f(shared_pool(threads));
-}
+using kvattn::bench::shared_pool;
+using kvattn::bench::with_parallel_for;
 
 std::vector<float> normal(std::size_t n, unsigned seed, float sd = 1.0f) {
   std::mt19937 gen(seed);

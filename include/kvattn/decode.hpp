@@ -66,6 +66,35 @@ struct DecodeWorkspace {
   std::vector<std::int64_t> first_item;  ///< [batch + 1]: the items of sequence b
   std::vector<float> partial;
 
+  /// Splits the batch of `kv` into work items (sequence, chunk of keys) of `item_floats` floats
+  /// each and returns where they start (aligned_partial). chunk_tokens 0: split only as far as
+  /// needed for about `want` items, in chunks of a multiple of `granule` and at least `min_chunk`
+  /// tokens (none when the batch alone gives `want` items).
+  template <class T>
+  float* plan(const PagedKvView<T>& kv, std::int64_t chunk_tokens, std::int64_t want, std::int64_t granule,
+              std::int64_t min_chunk, std::int64_t item_floats) {
+    std::int64_t total = 0;
+    for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
+    std::int64_t chunk = chunk_tokens;
+    if (chunk == 0)
+      chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
+                               : std::max(min_chunk, ((total + want - 1) / want + granule - 1) / granule * granule);
+    items.clear();
+    first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
+    std::int64_t floats = 0;
+    for (int b = 0; b < kv.batch; ++b) {
+      const std::int64_t L = kv.length(b);
+      const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;  // (no L + chunk: chunk may be INT64_MAX)
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
+        items.push_back({b, begin, end, floats});
+        floats += item_floats;
+      }
+      first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(items.size());
+    }
+    return aligned_partial(floats);
+  }
+
   /// `floats` floats of `partial` starting on a cache line (grown as needed): every row an item
   /// works on can then start on one (a vector load that straddles two lines costs two).
   float* aligned_partial(std::int64_t floats) {
@@ -115,6 +144,40 @@ constexpr std::int64_t partial_row_floats(int dim) { return (std::int64_t{dim} +
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head block.
 inline constexpr int kPrefetchUnits = 2;
+
+/// One row's online-softmax step over a tile of N scores `s` (-inf where the row sees no key):
+/// turns them into exp(s − m) with m the new running maximum (all 0 while the row has seen
+/// nothing), updates the running {m, d} at md[0], md[1], and returns the factor the row's
+/// accumulated output must be rescaled by. The running maximum moves only where some score
+/// exceeds it, which after the first tiles is rare: only then are the tile's maximum (a
+/// reduction) and the rescale factor (an exp) computed. Shared by decode and mla_decode.
+template <class Isa, int N> KVATTN_ALWAYS_INLINE float online_softmax(float* s, float* md) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes;
+  static_assert(N % W == 0, "a tile is whole vectors of scores");
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const float m_old = md[0];
+  Vec m = Vec::load(s);
+  for (int g = W; g < N; g += W) m = max(m, Vec::load(s + g));
+  float m_new = m_old, alpha = 1.0f;
+  if (any_greater(m, Vec::set1(m_old))) {
+    m_new = std::max(m_old, m.reduce_max());
+    alpha = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
+  }
+  if (m_new == kNegInf) {  // nothing seen yet: no probability, nothing to rescale
+    std::fill(s, s + N, 0.0f);
+    return 1.0f;
+  }
+  Vec sum = Vec::zero();
+  for (int g = 0; g < N; g += W) {
+    const Vec e = exp(Vec::load(s + g) - Vec::set1(m_new));  // exp(-inf) = 0
+    e.store(s + g);
+    sum = sum + e;
+  }
+  md[0] = m_new;
+  md[1] = md[1] * alpha + sum.reduce_add();
+  return alpha;
+}
 
 /// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order).
 template <class Isa, int NR, int CP, class T>
@@ -217,30 +280,7 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     for (int t = 0; t < lo; ++t) s[r][t] = kNegInf;
     for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
 
-    // The running maximum moves only where some score exceeds it, which after the first tiles
-    // is rare: then the tile's maximum (a reduction) and the rescale factor (an exp) are needed.
-    float* out = o[r];
-    const float m_old = out[dim];
-    Vec m = Vec::load(&s[r][0]);
-    for (int g = W; g < kDecodeTile; g += W) m = max(m, Vec::load(&s[r][g]));
-    float m_new = m_old;
-    alpha[r] = 1.0f;
-    if (any_greater(m, Vec::set1(m_old))) {
-      m_new = std::max(m_old, m.reduce_max());
-      alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
-    }
-    if (m_new == kNegInf) {  // nothing seen yet: no probability, nothing to rescale
-      std::fill(s[r], s[r] + kDecodeTile, 0.0f);
-      continue;
-    }
-    Vec sum = Vec::zero();
-    for (int g = 0; g < kDecodeTile; g += W) {
-      const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));  // exp(-inf) = 0
-      e.store(&s[r][g]);
-      sum = sum + e;
-    }
-    out[dim] = m_new;
-    out[dim + 1] = out[dim + 1] * alpha[r] + sum.reduce_add();
+    alpha[r] = online_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
@@ -437,35 +477,12 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
   const std::int64_t q_row_stride = std::int64_t{shape.q_heads} * D;      // floats per query token
 
   // Work items: (sequence, chunk of keys), every KV head of the chunk in one item (see
-  // decode_item). Without a chunk length given, split only as far as needed to give every thread
-  // a few items; chunks are whole spans, so they start where pages do.
-  std::int64_t total = 0;
-  for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
-  std::int64_t chunk = p.chunk_tokens;
-  if (chunk == 0) {
-    const std::int64_t want = std::int64_t{4} * p.threads;  // items to aim for
-    constexpr std::int64_t span = decode_impl::kDecodeSpan;
-    chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
-                             : std::max<std::int64_t>(256, ((total + want - 1) / want + span - 1) / span * span);
-  }
+  // decode_item); chunks chosen by the workspace are whole spans, so they start where pages do.
   // Per item: the partial outputs [kv_heads][rows][row_floats], then its queries
   // [kv_heads][rows][D], rounded up to a cache line.
   const std::int64_t row_floats = decode_impl::partial_row_floats(D);
   const std::int64_t item_floats = (std::int64_t{shape.kv_heads} * rows * (row_floats + D) + 15) / 16 * 16;
-  ws.items.clear();
-  ws.first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
-  std::int64_t floats = 0;
-  for (int b = 0; b < kv.batch; ++b) {
-    const std::int64_t L = kv.length(b);
-    const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;  // (no L + chunk: chunk may be INT64_MAX)
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
-      ws.items.push_back({b, begin, end, floats});
-      floats += item_floats;
-    }
-    ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
-  }
-  float* const base = ws.aligned_partial(floats);
+  float* const base = ws.plan(kv, p.chunk_tokens, 4 * std::int64_t{p.threads}, decode_impl::kDecodeSpan, 256, item_floats);
 
   const auto run_item = [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];

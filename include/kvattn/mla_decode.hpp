@@ -214,27 +214,7 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
       const std::int64_t last = r < rows ? length - Q + r / heads - t0 : -1;  // padding rows see nothing
       const int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n));
       for (int t = hi; t < kMlaTile; ++t) s[r][t] = kNegInf;
-      const float m_old = orow[Dp];
-      Vec m = Vec::load(&s[r][0]);
-      for (int g = W; g < kMlaTile; g += W) m = max(m, Vec::load(&s[r][g]));
-      float m_new = m_old;
-      alpha[r] = 1.0f;
-      if (any_greater(m, Vec::set1(m_old))) {
-        m_new = std::max(m_old, m.reduce_max());
-        alpha[r] = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
-      }
-      if (m_new == kNegInf) {
-        std::fill(s[r], s[r] + kMlaTile, 0.0f);
-        continue;
-      }
-      Vec sum = Vec::zero();
-      for (int g = 0; g < kMlaTile; g += W) {
-        const Vec e = exp(Vec::load(&s[r][g]) - Vec::set1(m_new));
-        e.store(&s[r][g]);
-        sum = sum + e;
-      }
-      orow[Dp] = m_new;
-      orow[Dp + 1] = orow[Dp + 1] * alpha[r] + sum.reduce_add();
+      alpha[r] = decode_impl::online_softmax<Isa, kMlaTile>(s[r], orow + Dp);
     }
 
     // 3. o = alpha · o + P · C over the latent columns: a block of columns of the tile (which
@@ -285,32 +265,10 @@ void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q,
   const std::int64_t q_seq = std::int64_t{dims.rows} * dims.K;  // floats of q per sequence
   const std::int64_t out_seq = std::int64_t{dims.rows} * Dc;
 
-  // Work items: (sequence, chunk of keys), all heads in one item. Without a chunk length given,
-  // split only as far as needed to give every thread a few items, in whole tiles.
-  std::int64_t total = 0;
-  for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
-  std::int64_t chunk = p.chunk_tokens;
-  if (chunk == 0) {
-    const std::int64_t want = std::int64_t{2} * p.threads;
-    constexpr std::int64_t tile = mla_impl::kMlaTile;
-    chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
-                             : std::max<std::int64_t>(8 * tile, ((total + want - 1) / want + tile - 1) / tile * tile);
-  }
-  const std::int64_t item_floats = dims.item_floats();
-  ws.items.clear();
-  ws.first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
-  std::int64_t floats = 0;
-  for (int b = 0; b < kv.batch; ++b) {
-    const std::int64_t L = kv.length(b);
-    const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
-      ws.items.push_back({b, begin, end, floats});
-      floats += item_floats;
-    }
-    ws.first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(ws.items.size());
-  }
-  float* const base = ws.aligned_partial(floats);
+  // Work items: (sequence, chunk of keys), all heads in one item; chunks chosen by the
+  // workspace are whole tiles, at least 8 of them.
+  constexpr std::int64_t tile = mla_impl::kMlaTile;
+  float* const base = ws.plan(kv, p.chunk_tokens, 2 * std::int64_t{p.threads}, tile, 8 * tile, dims.item_floats());
 
   pf(static_cast<std::int64_t>(ws.items.size()), [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
