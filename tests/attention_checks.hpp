@@ -1,13 +1,16 @@
 // tests/attention_checks.hpp — the comparisons every attention test makes against reference.hpp,
-// with the element-wise bounds stated at the top of test_decode.cpp and test_prefill.cpp, and
-// the random prompts the prefill tests feed.
+// with the element-wise bounds stated at the top of test_decode.cpp and test_prefill.cpp, the
+// random prompts the prefill tests feed, and the decode cases (cache, queries, parameters) the
+// decode tests of every backend share.
 #pragma once
 
+#include <kvattn/decode.hpp>
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/shape.hpp>
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -82,6 +85,92 @@ void expect_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::vect
       if (!ok && reported++ < 5) ADD_FAILURE() << "b=" << b << " lse " << j << ": got " << got << ", reference " << r;
     }
   }
+}
+
+// ---- decode cases ----------------------------------------------------------------------------
+
+/// One decode test: the head layout, the cache's page size, the batch's sequence lengths, and
+/// the operator's parameters.
+struct DecodeCase {
+  kvattn::GqaShape shape;
+  int page_size;
+  std::vector<std::int64_t> lengths;
+  int queries = 1;
+  std::int64_t window = 0;
+  float soft_cap = 0.0f;
+  std::int64_t chunk = 0;
+  float q_scale = 1.0f;  // multiplies the queries: large values make large logits
+};
+
+inline std::string describe(const DecodeCase& c) {
+  std::string s = kvattn::detail::concat("q_heads=", c.shape.q_heads, " kv_heads=", c.shape.kv_heads,
+                                         " head_dim=", c.shape.head_dim, " page=", c.page_size, " Q=", c.queries,
+                                         " window=", c.window, " cap=", c.soft_cap, " chunk=", c.chunk, " lengths=");
+  for (auto l : c.lengths) s += std::to_string(l) + ",";
+  return s;
+}
+
+/// The case's DecodeParams, for a parallel-for of `threads` threads.
+inline kvattn::DecodeParams decode_params(const DecodeCase& c, int threads = 1) {
+  kvattn::DecodeParams p;
+  p.queries_per_seq = c.queries;
+  p.window = c.window;
+  p.soft_cap = c.soft_cap;
+  p.chunk_tokens = c.chunk;
+  p.threads = threads;
+  return p;
+}
+
+/// A one-layer cache holding the case's sequences, keys and values uniform in [-1, 1], and the
+/// queries q [batch][Q][q_heads][head_dim] (uniform in [-1, 1] times q_scale).
+template <class T> struct DecodeInputs {
+  kvattn::PagedKvCache<T> cache;
+  std::vector<kvattn::SeqId> seqs;
+  std::vector<float> q;
+  float vmax = 0;  // max |v|
+
+  explicit DecodeInputs(const DecodeCase& c) : cache(config(c)) {
+    std::mt19937 rng(static_cast<unsigned>(c.lengths.size() * 131 + c.shape.head_dim));
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    const int G = c.shape.kv_heads, D = c.shape.head_dim, H = c.shape.q_heads;
+    for (auto L : c.lengths) {
+      const kvattn::SeqId s = cache.add_sequence();
+      seqs.push_back(s);
+      if (L == 0) continue;
+      cache.append(s, L);
+      std::vector<float> k(static_cast<std::size_t>(L) * G * D), v(k.size());  // [L][kv_heads][head_dim]
+      for (auto& x : k) x = dist(rng);
+      for (auto& x : v) x = dist(rng), vmax = std::max(vmax, std::abs(x));
+      cache.write(s, 0, 0, L, k.data(), v.data());
+    }
+    q.resize(seqs.size() * static_cast<std::size_t>(c.queries) * H * D);
+    for (auto& x : q) x = dist(rng) * c.q_scale;
+  }
+
+  /// Outputs of the right sizes, filled with a value no kernel would write.
+  std::vector<float> out() const { return std::vector<float>(q.size(), 123.0f); }
+  std::vector<float> lse(const DecodeCase& c) const {
+    return std::vector<float>(seqs.size() * static_cast<std::size_t>(c.queries) * c.shape.q_heads, 123.0f);
+  }
+
+ private:
+  static kvattn::CacheConfig config(const DecodeCase& c) {
+    std::int64_t pages = 0;
+    for (auto l : c.lengths) pages += (l + c.page_size - 1) / c.page_size;
+    return kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, pages), c.shape};
+  }
+};
+
+/// expect_decode_matches for a case: its options, max|v| and score rounding.
+template <class T>
+void expect_decode_case_matches(const DecodeInputs<T>& in, const DecodeCase& c, const std::vector<float>& out,
+                                const std::vector<float>& lse) {
+  reference::Options o;
+  o.queries_per_seq = c.queries;
+  o.window = c.window;
+  o.soft_cap = c.soft_cap;
+  const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(c.shape.head_dim));  // scale · D = sqrt(D)
+  expect_decode_matches(in.cache, in.seqs, c.shape, in.q, out, lse, o, in.vmax, e_s);
 }
 
 }  // namespace checks

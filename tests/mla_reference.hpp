@@ -8,6 +8,8 @@
 // (latent_dim + rope_dim) · max|q| · max|c| the rounding of one fp32 score (max|c| = 1 here).
 #pragma once
 
+#include <kvattn/error.hpp>
+#include <kvattn/mla_decode.hpp>
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/shape.hpp>
 
@@ -18,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <random>
+#include <string>
 #include <vector>
 
 namespace reference {
@@ -90,5 +94,73 @@ void expect_mla_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::
     }
   }
 }
+
+// ---- MLA decode cases ------------------------------------------------------------------------
+
+/// n values uniform in [-1, 1) times `scale`, from `seed`.
+inline std::vector<float> uniform(std::size_t n, unsigned seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng) * scale;
+  return v;
+}
+
+/// One MLA decode test: the head layout, the cache's page size, the batch's sequence lengths,
+/// and the operator's parameters.
+struct MlaCase {
+  kvattn::MlaShape shape;
+  int page_size;
+  std::vector<std::int64_t> lengths;
+  int queries = 1;
+  float q_scale = 1.0f;
+  std::int64_t chunk_tokens = 0;
+};
+
+inline std::string describe(const MlaCase& c) {
+  std::string l;
+  for (auto n : c.lengths) l += std::to_string(n) + ",";
+  return kvattn::detail::concat("heads=", c.shape.heads, " latent=", c.shape.latent_dim, " rope=", c.shape.rope_dim,
+                                " page=", c.page_size, " Q=", c.queries, " q_scale=", c.q_scale, " chunk=", c.chunk_tokens,
+                                " lengths=", l);
+}
+
+/// The case's MlaDecodeParams, for a parallel-for of `threads` threads.
+inline kvattn::MlaDecodeParams mla_params(const MlaCase& c, int threads = 1) {
+  kvattn::MlaDecodeParams p;
+  p.queries_per_seq = c.queries;
+  p.chunk_tokens = c.chunk_tokens;
+  p.threads = threads;
+  return p;
+}
+
+/// A one-layer cache holding random latent rows (uniform in [-1, 1)) for each of the case's
+/// lengths, and the absorbed queries q [batch][Q][heads][latent_dim + rope_dim] (times q_scale).
+template <class T> struct MlaInputs {
+  kvattn::PagedKvCache<T> cache;
+  std::vector<kvattn::SeqId> seqs;
+  std::vector<float> q;
+
+  MlaInputs(const MlaCase& c, unsigned seed) : cache(config(c)) {
+    const kvattn::MlaShape& s = c.shape;
+    unsigned salt = seed;
+    for (auto n : c.lengths) {
+      seqs.push_back(cache.add_sequence());
+      if (n == 0) continue;
+      cache.append(seqs.back(), n);
+      const auto lat = uniform(std::size_t(n) * s.latent_dim, ++salt), rope = uniform(std::size_t(n) * s.rope_dim, ++salt);
+      cache.write_latent(seqs.back(), 0, 0, n, lat.data(), rope.data());
+    }
+    const std::size_t K = std::size_t(s.latent_dim) + s.rope_dim;
+    q = uniform(seqs.size() * c.queries * s.heads * K, ++salt, c.q_scale);
+  }
+
+ private:
+  static kvattn::CacheConfig config(const MlaCase& c) {
+    std::int64_t pages = 0;
+    for (auto n : c.lengths) pages += (n + c.page_size - 1) / c.page_size;
+    return kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, pages), c.shape};
+  }
+};
 
 }  // namespace checks

@@ -24,75 +24,26 @@ namespace {
 
 using kvattn::GqaShape;
 
-struct Case {
-  GqaShape shape;
-  int page_size;
-  std::vector<std::int64_t> lengths;
-  int queries = 1;
-  std::int64_t window = 0;
-  float soft_cap = 0.0f;
-  std::int64_t chunk = 0;
-  float q_scale = 1.0f;  // multiplies the queries: large values make large logits
-};
-
-std::string describe(const Case& c) {
-  std::string s = kvattn::detail::concat("q_heads=", c.shape.q_heads, " kv_heads=", c.shape.kv_heads,
-                                         " head_dim=", c.shape.head_dim, " page=", c.page_size, " Q=", c.queries,
-                                         " window=", c.window, " cap=", c.soft_cap, " chunk=", c.chunk, " lengths=");
-  for (auto l : c.lengths) s += std::to_string(l) + ",";
-  return s;
-}
+using Case = checks::DecodeCase;
 
 template <class T, class Isa, class PF>
 void check(const Case& c, PF&& pf, int threads) {
   SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name));
-  std::int64_t total = 0;
-  for (auto l : c.lengths) total += (l + c.page_size - 1) / c.page_size;
-  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, total), c.shape});
-  std::mt19937 rng(static_cast<unsigned>(c.lengths.size() * 131 + c.shape.head_dim));
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  const int G = c.shape.kv_heads, D = c.shape.head_dim, H = c.shape.q_heads;
-  std::vector<kvattn::SeqId> seqs;
-  float vmax = 0;
-  for (auto L : c.lengths) {
-    const kvattn::SeqId s = cache.add_sequence();
-    seqs.push_back(s);
-    if (L == 0) continue;
-    cache.append(s, L);
-    std::vector<float> k(static_cast<std::size_t>(L) * G * D), v(k.size());
-    for (auto& x : k) x = dist(rng);
-    for (auto& x : v) x = dist(rng), vmax = std::max(vmax, std::abs(x));
-    cache.write(s, 0, 0, L, k.data(), v.data());
-  }
-  const int B = static_cast<int>(seqs.size()), Q = c.queries;
-  std::vector<float> q(static_cast<std::size_t>(B) * Q * H * D);
-  for (auto& x : q) x = dist(rng) * c.q_scale;
-  std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(B) * Q * H, 123.0f);
-
-  const kvattn::BatchPageTable table = cache.page_table(seqs);
-  kvattn::DecodeParams p;
-  p.queries_per_seq = Q;
-  p.window = c.window;
-  p.soft_cap = c.soft_cap;
-  p.chunk_tokens = c.chunk;
-  p.threads = threads;
+  const checks::DecodeInputs<T> in(c);
+  std::vector<float> out = in.out(), lse = in.lse(c);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
+  const kvattn::DecodeParams p = checks::decode_params(c, threads);
   kvattn::DecodeWorkspace ws;
-  const auto view = cache.view(table, 0);
+  const auto view = in.cache.view(table, 0);
   if (c.window > 0 && c.soft_cap > 0)
-    kvattn::decode<kvattn::Variant<true, true>>(view, c.shape, q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
+    kvattn::decode<kvattn::Variant<true, true>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
   else if (c.window > 0)
-    kvattn::decode<kvattn::Variant<true, false>>(view, c.shape, q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
+    kvattn::decode<kvattn::Variant<true, false>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
   else if (c.soft_cap > 0)
-    kvattn::decode<kvattn::Variant<false, true>>(view, c.shape, q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
+    kvattn::decode<kvattn::Variant<false, true>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
   else
-    kvattn::decode(view, c.shape, q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
-
-  reference::Options o;
-  o.queries_per_seq = Q;
-  o.window = c.window;
-  o.soft_cap = c.soft_cap;
-  const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(D));  // scale · D = sqrt(D)
-  checks::expect_decode_matches(cache, seqs, c.shape, q, out, lse, o, vmax, e_s);
+    kvattn::decode(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
+  checks::expect_decode_case_matches(in, c, out, lse);
 }
 
 template <class Isa> struct IsaTag {

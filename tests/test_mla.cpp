@@ -55,62 +55,24 @@ template <class Isa> struct IsaTag {
   using type = Isa;
 };
 
-std::vector<float> uniform(std::size_t n, unsigned seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng) * scale;
-  return v;
-}
+using checks::uniform;
 
 // ---- the kernel: mla_decode against double attention over the cached rows ----------------------
 
-struct KernelCase {
-  MlaShape shape;
-  int page_size;
-  std::vector<std::int64_t> lengths;
-  int queries = 1;
-  float q_scale = 1.0f;
-  std::int64_t chunk_tokens = 0;
-};
-
-std::string describe(const KernelCase& c) {
-  std::string l;
-  for (auto n : c.lengths) l += std::to_string(n) + ",";
-  return kvattn::detail::concat("heads=", c.shape.heads, " latent=", c.shape.latent_dim, " rope=", c.shape.rope_dim,
-                                " page=", c.page_size, " Q=", c.queries, " q_scale=", c.q_scale, " chunk=",
-                                c.chunk_tokens, " lengths=", l);
-}
+using KernelCase = checks::MlaCase;
 
 /// Runs mla_decode on a cache filled with random rows and checks it against the reference;
 /// returns the output (for comparisons between runs).
 template <class Isa, class T> std::vector<float> check_kernel(const KernelCase& c, unsigned seed = 1) {
   SCOPED_TRACE(describe(c));
+  const checks::MlaInputs<T> in(c, seed);
   const MlaShape& s = c.shape;
-  const int K = s.latent_dim + s.rope_dim, Q = c.queries, H = s.heads, Dc = s.latent_dim;
-  std::int64_t pages = 0;
-  for (auto n : c.lengths) pages += (n + c.page_size - 1) / c.page_size;
-  PagedKvCache<T> cache(kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, pages), s});
-  std::vector<SeqId> seqs;
-  unsigned salt = seed;
-  for (auto n : c.lengths) {
-    seqs.push_back(cache.add_sequence());
-    if (n == 0) continue;
-    cache.append(seqs.back(), n);
-    const auto lat = uniform(std::size_t(n) * Dc, ++salt), rope = uniform(std::size_t(n) * s.rope_dim, ++salt);
-    cache.write_latent(seqs.back(), 0, 0, n, lat.data(), rope.data());
-  }
-  const int B = static_cast<int>(seqs.size());
-  const auto q = uniform(std::size_t(B) * Q * H * K, ++salt, c.q_scale);
-  std::vector<float> out(std::size_t(B) * Q * H * Dc, -7.0f), lse(std::size_t(B) * Q * H, -7.0f);
-  const kvattn::BatchPageTable table = cache.page_table(seqs);
-  kvattn::MlaDecodeParams p;
-  p.queries_per_seq = Q;
-  p.chunk_tokens = c.chunk_tokens;
+  const std::size_t rows = in.seqs.size() * c.queries * s.heads;
+  std::vector<float> out(rows * s.latent_dim, -7.0f), lse(rows, -7.0f);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
   kvattn::MlaDecodeWorkspace ws;
-  kvattn::mla_decode<Isa>(cache.view(table, 0), s, q.data(), out.data(), lse.data(), p, ws);
-
-  checks::expect_mla_decode_matches(cache, seqs, s, q, Q, out, lse, c.q_scale);
+  kvattn::mla_decode<Isa>(in.cache.view(table, 0), s, in.q.data(), out.data(), lse.data(), checks::mla_params(c), ws);
+  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, c.queries, out, lse, c.q_scale);
   return out;
 }
 

@@ -107,67 +107,18 @@ template <class Isa, class T> using K = isa_kernels::Kernels<Isa, T>;
 
 // ---- Decode --------------------------------------------------------------------------------------
 
-struct DecodeCase {
-  GqaShape shape;
-  int page_size;
-  std::vector<std::int64_t> lengths;
-  int queries = 1;
-  std::int64_t window = 0;
-  float soft_cap = 0.0f;
-  std::int64_t chunk = 0;
-  float q_scale = 1.0f;  // multiplies the queries: large values make large logits
-};
-
-std::string describe(const DecodeCase& c) {
-  std::string s = kvattn::detail::concat("q_heads=", c.shape.q_heads, " kv_heads=", c.shape.kv_heads,
-                                         " head_dim=", c.shape.head_dim, " page=", c.page_size, " Q=", c.queries,
-                                         " window=", c.window, " cap=", c.soft_cap, " chunk=", c.chunk, " lengths=");
-  for (auto l : c.lengths) s += std::to_string(l) + ",";
-  return s;
-}
+using checks::DecodeCase;
 
 /// As test_decode.cpp's check(), with the kernel of Isa.
 template <class Isa, class T> void check_decode(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
   SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name) +
                " threads=" + std::to_string(pool ? pool->threads() : 1));
-  std::int64_t total = 0;
-  for (auto l : c.lengths) total += (l + c.page_size - 1) / c.page_size;
-  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, c.page_size, std::max<std::int64_t>(1, total), c.shape});
-  std::mt19937 rng(static_cast<unsigned>(c.lengths.size() * 131 + c.shape.head_dim));
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  const int G = c.shape.kv_heads, D = c.shape.head_dim, H = c.shape.q_heads;
-  std::vector<kvattn::SeqId> seqs;
-  float vmax = 0;
-  for (auto L : c.lengths) {
-    const kvattn::SeqId s = cache.add_sequence();
-    seqs.push_back(s);
-    if (L == 0) continue;
-    cache.append(s, L);
-    std::vector<float> k(static_cast<std::size_t>(L) * G * D), v(k.size());  // [L][kv_heads][head_dim]
-    for (auto& x : k) x = dist(rng);
-    for (auto& x : v) x = dist(rng), vmax = std::max(vmax, std::abs(x));
-    cache.write(s, 0, 0, L, k.data(), v.data());
-  }
-  const int B = static_cast<int>(seqs.size()), Q = c.queries;
-  std::vector<float> q(static_cast<std::size_t>(B) * Q * H * D);  // [B][Q][q_heads][head_dim]
-  for (auto& x : q) x = dist(rng) * c.q_scale;
-  std::vector<float> out(q.size(), 123.0f), lse(static_cast<std::size_t>(B) * Q * H, 123.0f);
-
-  const kvattn::BatchPageTable table = cache.page_table(seqs);
-  kvattn::DecodeParams p;
-  p.queries_per_seq = Q;
-  p.window = c.window;
-  p.soft_cap = c.soft_cap;
-  p.chunk_tokens = c.chunk;
-  p.threads = pool ? pool->threads() : 1;
-  K<Isa, T>::decode(cache.view(table, 0), c.shape, q.data(), out.data(), lse.data(), p, {c.window > 0, c.soft_cap > 0}, pool);
-
-  reference::Options o;
-  o.queries_per_seq = Q;
-  o.window = c.window;
-  o.soft_cap = c.soft_cap;
-  const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(D));  // scale · D = sqrt(D)
-  checks::expect_decode_matches(cache, seqs, c.shape, q, out, lse, o, vmax, e_s);
+  const checks::DecodeInputs<T> in(c);
+  std::vector<float> out = in.out(), lse = in.lse(c);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
+  const kvattn::DecodeParams p = checks::decode_params(c, pool ? pool->threads() : 1);
+  K<Isa, T>::decode(in.cache.view(table, 0), c.shape, in.q.data(), out.data(), lse.data(), p, {c.window > 0, c.soft_cap > 0}, pool);
+  checks::expect_decode_case_matches(in, c, out, lse);
 }
 
 template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
@@ -219,37 +170,15 @@ TYPED_TEST(IsaDecode, SeveralQueriesWindowSoftCapAndLargeLogits) {
 template <class Isa, class T>
 void check_mla(const kvattn::MlaShape& s, int page_size, const std::vector<std::int64_t>& lengths, int Q,
                std::int64_t chunk = 0, float q_scale = 1.0f, kvattn::ThreadPool* pool = nullptr) {
-  std::string l;
-  for (auto n : lengths) l += std::to_string(n) + ",";
-  SCOPED_TRACE(kvattn::detail::concat("heads=", s.heads, " latent=", s.latent_dim, " rope=", s.rope_dim, " page=", page_size,
-                                      " Q=", Q, " chunk=", chunk, " lengths=", l, " storage=", kvattn::storage_traits<T>::name,
-                                      " isa=", Isa::name));
-  std::int64_t pages = 0;
-  for (auto n : lengths) pages += (n + page_size - 1) / page_size;
-  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page_size, std::max<std::int64_t>(1, pages), s});
-  std::mt19937 rng(static_cast<unsigned>(lengths.size() * 7 + s.latent_dim));
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<kvattn::SeqId> seqs;
-  for (auto n : lengths) {
-    seqs.push_back(cache.add_sequence());
-    if (n == 0) continue;
-    cache.append(seqs.back(), n);
-    std::vector<float> lat(static_cast<std::size_t>(n) * s.latent_dim), rope(static_cast<std::size_t>(n) * s.rope_dim);
-    for (auto& x : lat) x = dist(rng);
-    for (auto& x : rope) x = dist(rng);
-    cache.write_latent(seqs.back(), 0, 0, n, lat.data(), rope.data());
-  }
-  const std::size_t B = seqs.size(), H = static_cast<std::size_t>(s.heads);
-  std::vector<float> q(B * Q * H * static_cast<std::size_t>(s.latent_dim + s.rope_dim));
-  for (auto& x : q) x = dist(rng) * q_scale;
-  std::vector<float> out(B * Q * H * static_cast<std::size_t>(s.latent_dim), 123.0f), lse(B * Q * H, 123.0f);
-  const kvattn::BatchPageTable table = cache.page_table(seqs);
-  kvattn::MlaDecodeParams p;
-  p.queries_per_seq = Q;
-  p.chunk_tokens = chunk;
-  p.threads = pool ? pool->threads() : 1;
-  K<Isa, T>::mla_decode(cache.view(table, 0), s, q.data(), out.data(), lse.data(), p, pool);
-  checks::expect_mla_decode_matches(cache, seqs, s, q, Q, out, lse, q_scale);
+  const checks::MlaCase c{s, page_size, lengths, Q, q_scale, chunk};
+  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name));
+  const checks::MlaInputs<T> in(c, static_cast<unsigned>(lengths.size() * 7 + s.latent_dim));
+  const std::size_t rows = in.seqs.size() * Q * s.heads;
+  std::vector<float> out(rows * s.latent_dim, 123.0f), lse(rows, 123.0f);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
+  K<Isa, T>::mla_decode(in.cache.view(table, 0), s, in.q.data(), out.data(), lse.data(), checks::mla_params(c, pool ? pool->threads() : 1),
+                        pool);
+  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, Q, out, lse, q_scale);
 }
 
 template <class Isa> class IsaMla : public OnThisCpu<Isa> {};

@@ -92,7 +92,11 @@
 #endif
 /// Unrolls the loop that follows completely (a loop over a compile-time count of vector
 /// registers must be unrolled for them to stay registers, at -O2 too).
-#if defined(__clang__)
+#if defined(__CUDA_ARCH__)  // nvcc, device pass
+#define KVATTN_UNROLL _Pragma("unroll")
+#elif defined(__CUDACC__)  // nvcc, host pass: its front end rejects "GCC unroll", g++ rejects "unroll"
+#define KVATTN_UNROLL
+#elif defined(__clang__)
 #define KVATTN_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
 #define KVATTN_UNROLL _Pragma("GCC unroll 16")

@@ -18,3 +18,12 @@
 #include "append.hpp"
 #include "mla_decode.hpp"
 #include "mla.hpp"
+
+// The CUDA specializations, only in a translation unit compiled by nvcc with KVATTN_ENABLE_CUDA=1
+// (the kvattn::cuda CMake target): an engine that never compiles CUDA never sees them.
+#if defined(__CUDACC__) && defined(KVATTN_ENABLE_CUDA) && KVATTN_ENABLE_CUDA
+#include "cuda/append.hpp"
+#include "cuda/decode.hpp"
+#include "cuda/mla_decode.hpp"
+#include "cuda/runtime.hpp"
+#endif

@@ -299,6 +299,15 @@ template <class T, class M = HostMemory> class PagedKvCache {
     seqs_.erase(seq);
   }
 
+  /// For writers outside the cache (a device kernel writing through slots): checks that tokens
+  /// [first, first + count) of `seq` exist and gives `seq` its own copy of every shared page
+  /// among them, in every layer, so that slot() then names pages it may write. All or nothing:
+  /// throws (invalid_argument, capacity_error when the pool cannot hold the copies) before any
+  /// change.
+  void make_writable(SeqId seq, std::int64_t first, std::int64_t count) {
+    make_pages_private(get(seq, "make_writable"), seq, first, count, "make_writable");
+  }
+
   /// Where token `position` of `seq` is (read-only: a write through it would bypass copy-on-write).
   Slot slot(SeqId seq, std::int64_t position) const {
     const Sequence& s = get(seq, "slot");
@@ -599,6 +608,10 @@ template <class T, class M = HostMemory> class PagedKvCache {
     Sequence& s = get(seq, op);
     check_content(content, op);
     check_layer(layer, op);
+    make_pages_private(s, seq, first, count, op);
+  }
+  /// Checks tokens [first, first + count) of `s` and copies its shared pages among them.
+  void make_pages_private(Sequence& s, SeqId seq, std::int64_t first, std::int64_t count, const char* op) {
     check_position(seq, s, first, count, op);
     const std::int64_t P = config_.page_size;
     const std::int64_t a = first / P, b = (first + count - 1) / P;

@@ -32,7 +32,16 @@
 #include <string_view>
 #include <type_traits>
 
+#if defined(__NVCC__)
+// nvcc warns (20012) that Eigen's defaulted constructors carry __host__ __device__; harmless,
+// and it would stop a CUDA translation unit built with warnings as errors.
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 20012
+#endif
 #include <Eigen/Core>
+#if defined(__NVCC__)
+#pragma nv_diagnostic pop
+#endif
 
 #include "config.hpp"
 

@@ -1,0 +1,160 @@
+// bench/cuda.cu — the CUDA specializations on the GPU: decode for the GQA family (bytes of K/V
+// read per second) and folded MLA decode (FLOP/s), beside the card's copy bandwidth measured in
+// the same run.
+//
+//   machine/cuda_copy_bandwidth     cudaMemcpy device to device of 1 GiB: bytes_per_second counts
+//                                   the bytes read (half of the bytes moved), the figure decode's
+//                                   bytes read compare with
+//   decode/cuda/gqa32x8/<dtype>/ctx:C/batch:B
+//                                   kvattn::cuda::decode, 32 query heads, 8 KV heads, head size
+//                                   128, one query per sequence, pages of 16; bytes_per_second =
+//                                   B · C · 8 · 128 · 2 (K and V) · 2 bytes per step
+//   mla/cuda/folded/ctx:C/batch:B   kvattn::cuda::mla_decode, DeepSeek-V2's heads (128, latent 512
+//                                   + rotary 64), bf16 latents; flops = B · 128 · C · 2 · (576 + 512)
+// C in {4K, 16K, 64K} (MLA: 1K, 4K, 16K), B in {1, 64}; every configuration whose cache fits in
+// a quarter of the device's free memory. Times are the GPU's (CUDA events around each step).
+// Without a CUDA device the program says so and exits 0.
+#include <kvattn/cuda/decode.hpp>
+#include <kvattn/cuda/mla_decode.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kvattn::cuda::check;
+using kvattn::cuda::DeviceBuffer;
+
+constexpr int kPage = 16;
+
+/// Fills n elements with values in [-1, 1) from a hash of the index (no host traffic).
+template <class D> __global__ void fill_kernel(D* p, std::int64_t n, std::uint32_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    x ^= x >> 13;
+    p[i] = kvattn::cuda::impl::from_float<D>(static_cast<float>(x & 0xFFFFFF) / 8388608.0f - 1.0f);
+  }
+}
+template <class D> void fill(D* p, std::int64_t n, std::uint32_t seed) {
+  fill_kernel<<<1024, 256>>>(p, n, seed);
+  check(cudaGetLastError(), "fill");
+}
+
+std::size_t free_memory() {
+  std::size_t free = 0, total = 0;
+  check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  return free;
+}
+
+/// GPU time of one call of f, by CUDA events, as the benchmark's manual time.
+template <class F> void time_steps(benchmark::State& state, F&& f) {
+  cudaEvent_t start, stop;
+  check(cudaEventCreate(&start), "cudaEventCreate");
+  check(cudaEventCreate(&stop), "cudaEventCreate");
+  f();  // warm-up: workspaces sized, kernels loaded
+  check(cudaDeviceSynchronize(), "warm-up");
+  for (auto _ : state) {
+    check(cudaEventRecord(start), "cudaEventRecord");
+    f();
+    check(cudaEventRecord(stop), "cudaEventRecord");
+    check(cudaEventSynchronize(stop), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+    state.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+
+void bm_copy_bandwidth(benchmark::State& state) {
+  const std::size_t bytes = std::size_t{1} << 30;
+  DeviceBuffer<char> a(bytes), b(bytes);
+  time_steps(state, [&] { check(cudaMemcpyAsync(b.data(), a.data(), bytes, cudaMemcpyDeviceToDevice), "copy"); });
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * static_cast<std::int64_t>(bytes));
+}
+
+template <class T> void bm_decode(benchmark::State& state) {
+  const std::int64_t ctx = state.range(0), batch = state.range(1);
+  const auto shape = kvattn::GqaShape::gqa(32, 8, 128);
+  const std::int64_t pages = batch * ((ctx + kPage - 1) / kPage);
+  const kvattn::CacheConfig config{1, kPage, pages, shape};
+  const std::int64_t kv_bytes = batch * ctx * shape.kv_heads * shape.head_dim * 2 * static_cast<std::int64_t>(sizeof(T));
+  if (static_cast<std::size_t>(kv_bytes) > free_memory() / 4) {
+    state.SkipWithError("the cache would take more than a quarter of the free device memory");
+    return;
+  }
+  kvattn::PagedKvCache<T, kvattn::cuda::DeviceMemory> cache(config);
+  std::vector<kvattn::SeqId> seqs;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    seqs.push_back(cache.add_sequence());
+    cache.append(seqs.back(), ctx);
+  }
+  using D = typename kvattn::cuda::impl::device_type<T>::type;
+  fill(reinterpret_cast<D*>(cache.layer_data(0)), cache.layer_stride(), 1);
+  kvattn::cuda::DevicePageTable table;
+  table.upload(cache.page_table(seqs));
+  const std::size_t n = static_cast<std::size_t>(batch) * shape.q_heads * shape.head_dim;
+  DeviceBuffer<float> q(n), out(n), lse(static_cast<std::size_t>(batch) * shape.q_heads);
+  fill(q.data(), static_cast<std::int64_t>(n), 2);
+  kvattn::cuda::DecodeWorkspace ws;
+  const auto view = table.view(cache, 0);
+  time_steps(state, [&] { kvattn::cuda::decode(view, table, shape, q.data(), out.data(), lse.data(), {}, ws); });
+  state.SetBytesProcessed(static_cast<std::int64_t>(state.iterations()) * kv_bytes);
+  state.SetLabel(std::to_string(kv_bytes >> 20) + " MiB K/V per step");
+}
+
+void bm_mla(benchmark::State& state) {
+  const std::int64_t ctx = state.range(0), batch = state.range(1);
+  const kvattn::MlaShape shape{128, 512, 64, 128, 128, 1536};  // DeepSeek-V2
+  const std::int64_t pages = batch * ((ctx + kPage - 1) / kPage);
+  const kvattn::CacheConfig config{1, kPage, pages, shape};
+  kvattn::PagedKvCache<kvattn::bf16, kvattn::cuda::DeviceMemory> cache(config);
+  std::vector<kvattn::SeqId> seqs;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    seqs.push_back(cache.add_sequence());
+    cache.append(seqs.back(), ctx);
+  }
+  fill(reinterpret_cast<__nv_bfloat16*>(cache.layer_data(0)), cache.layer_stride(), 3);
+  kvattn::cuda::DevicePageTable table;
+  table.upload(cache.page_table(seqs));
+  const int K = shape.latent_dim + shape.rope_dim;
+  DeviceBuffer<float> q(static_cast<std::size_t>(batch) * shape.heads * K),
+      out(static_cast<std::size_t>(batch) * shape.heads * shape.latent_dim), lse(static_cast<std::size_t>(batch) * shape.heads);
+  fill(q.data(), batch * shape.heads * K, 4);
+  kvattn::cuda::MlaDecodeWorkspace ws;
+  const auto view = table.view(cache, 0);
+  time_steps(state, [&] { kvattn::cuda::mla_decode(view, table, shape, q.data(), out.data(), lse.data(), {}, ws); });
+  const double flops = 2.0 * static_cast<double>(batch) * shape.heads * static_cast<double>(ctx) * (K + shape.latent_dim);
+  state.counters["flops"] = benchmark::Counter(flops * static_cast<double>(state.iterations()), benchmark::Counter::kIsRate);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (!kvattn::cuda::device_available()) {
+    std::printf("bench_cuda: no CUDA device (cudaGetDeviceCount failed or found none): nothing measured\n");
+    return 0;
+  }
+  benchmark::RegisterBenchmark("machine/cuda_copy_bandwidth", bm_copy_bandwidth)->UseManualTime()->Unit(benchmark::kMillisecond);
+  for (std::int64_t ctx : {4096, 16384, 65536})
+    for (std::int64_t batch : {1, 64}) {
+      benchmark::RegisterBenchmark("decode/cuda/gqa32x8/fp16", bm_decode<kvattn::fp16>)
+          ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("decode/cuda/gqa32x8/bf16", bm_decode<kvattn::bf16>)
+          ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
+    }
+  for (std::int64_t ctx : {1024, 4096, 16384})
+    for (std::int64_t batch : {1, 64})
+      benchmark::RegisterBenchmark("mla/cuda/folded", bm_mla)->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(
+          benchmark::kMicrosecond);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

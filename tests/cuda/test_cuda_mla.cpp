@@ -1,0 +1,250 @@
+// The CUDA folded MLA decode (kvattn/cuda/mla_decode.hpp) against the plain double-precision
+// reference of mla_reference.hpp, on the same rounded latents, with the CPU kernel's bounds
+// (test_mla.cpp): element-wise, |out − ref| <= (2e-5 + 2·e_s) · max|c| + 2e-5 · |ref| and
+// |lse − ref| <= 2e-5 · (1 + |ref|) + e_s.
+//
+// Shapes: DeepSeek-V2's and V2-Lite's head layouts (128 and 16 heads, latent 512, rotary 64)
+// and awkward ones: latent widths of 17, 40, 64, 300, 1100, 2000 and 2040 with rotary widths of
+// 2 to 8 (rows of 16-byte multiples and not, so both tile copies run; one and two columns per
+// lane; several column blocks; rows too wide for shared memory, done in chunks); 1, 2, 3, 5,
+// 16 and 128 heads; pages of 1, 7, 16 and 64 tokens; contexts 0, 1, 2, a page ± 1, around a
+// tile, a few hundred, 1000 and 3000; Q = 1 to 4; chunks of keys forced down to one token
+// (so the merge sees empty parts); batches of mixed lengths; fp32, fp16 and bf16.
+//
+// Every test that runs a kernel skips without a CUDA device; the argument checks run anywhere,
+// since they throw before the device is touched.
+#include <kvattn/mla_decode.hpp>
+#include <kvattn/paged_cache.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "../mla_reference.hpp"
+#include "device.hpp"
+#include "mla_kernels.hpp"
+
+namespace {
+
+using kvattn::bf16;
+using kvattn::fp16;
+using kvattn::MlaShape;
+using kvattn::PagedKvCache;
+using kvattn::SeqId;
+
+const MlaShape kV2{128, 512, 64, 128, 128, 1536};
+const MlaShape kV2Lite{16, 512, 64, 128, 128, 0};
+const MlaShape kOne{1, 17, 2, 8, 8, 0};       // rows of 19: element-wise copies
+const MlaShape kOdd{3, 40, 6, 16, 12, 0};     // rows of 46
+const MlaShape kSix{3, 64, 6, 16, 12, 0};     // rows of 70
+const MlaShape kFive{5, 64, 8, 24, 16, 32};   // rows of 72: 16-byte copies in every type
+const MlaShape kWide{2, 300, 2, 16, 16, 0};   // two columns per lane, lanes past the latent
+const MlaShape kWider{2, 1100, 4, 16, 16, 0};  // three column blocks; in fp32, chunks on an A100
+const MlaShape kHuge{1, 2040, 8, 16, 16, 0};   // rows of 2048: chunks of the inner dimension on any device
+const MlaShape kHugeOdd{2, 2000, 2, 16, 16, 0};  // rows of 2002: chunks, element-wise copies
+
+using Case = checks::MlaCase;
+
+/// Runs the CUDA kernel on a cache filled with random rows (with `decoder`, or a fresh one) and
+/// checks it against the reference; returns the output (for comparisons between runs).
+template <class T> std::vector<float> check_kernel(const Case& c, unsigned seed = 1, cuda_tests::MlaDecoder* decoder = nullptr) {
+  SCOPED_TRACE(describe(c));
+  const checks::MlaInputs<T> f(c, seed);
+  std::vector<float> out, lse;
+  if (decoder != nullptr)
+    decoder->run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse);
+  else
+    cuda_tests::run_cuda_mla_decode(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, lse);
+  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale);
+  return out;
+}
+
+/// Contexts around a page of P tokens and a tile, and long ones.
+std::vector<std::int64_t> contexts(int P) {
+  std::vector<std::int64_t> l;
+  for (std::int64_t n : {0, 1, 2, P - 1, P, P + 1, 31, 32, 33, 300, 1000}) l.push_back(n);
+  return l;
+}
+
+TEST(CudaMlaDecode, MatchesReferenceOverShapesPagesAndContexts) {
+  KVATTN_REQUIRE_GPU();
+  for (const MlaShape& s : {kOne, kOdd, kSix, kFive, kV2Lite})
+    for (int page : {1, 7, 16, 64})
+      for (int Q : {1, 3}) check_kernel<float>({s, page, contexts(page), Q});
+}
+
+TEST(CudaMlaDecode, StorageTypes) {
+  KVATTN_REQUIRE_GPU();
+  for (const MlaShape& s : {kOne, kOdd, kSix, kFive, kV2Lite}) {
+    check_kernel<fp16>({s, 7, {0, 1, 33, 250}, 1});
+    check_kernel<bf16>({s, 16, {0, 1, 33, 250}, 2});
+    check_kernel<fp16>({s, 64, {65, 2, 0, 129}, 4, 1.0f, 40});
+  }
+}
+
+TEST(CudaMlaDecode, DeepSeekV2HeadLayout) {
+  KVATTN_REQUIRE_GPU();
+  check_kernel<bf16>({kV2, 16, {1, 77, 513}, 1});
+  check_kernel<bf16>({kV2, 7, {40, 0, 65}, 2});
+  check_kernel<float>({kV2, 16, {1, 700}, 4});
+  check_kernel<fp16>({kV2, 64, {3000}, 1});  // split across the device, merged
+}
+
+TEST(CudaMlaDecode, SplitIntoChunksAndMerged) {
+  KVATTN_REQUIRE_GPU();
+  for (std::int64_t chunk : {1, 5, 32, 64, 96})
+    for (const MlaShape& s : {kOdd, kFive, kV2Lite}) check_kernel<float>({s, 7, {1000, 1, 0, 64}, 2, 1.0f, chunk});
+}
+
+TEST(CudaMlaDecode, WideLatentsColumnBlocksAndChunkedRows) {
+  KVATTN_REQUIRE_GPU();
+  for (const MlaShape& s : {kWide, kWider, kHuge, kHugeOdd})
+    for (std::int64_t chunk : {0, 40}) {
+      check_kernel<float>({s, 16, {0, 1, 33, 100, 257}, 1, 1.0f, chunk});
+      check_kernel<bf16>({s, 7, {0, 1, 33, 100, 257}, 2, 1.0f, chunk});
+    }
+}
+
+TEST(CudaMlaDecode, HugeLogitsNeitherOverflowNorNaN) {
+  KVATTN_REQUIRE_GPU();
+  for (const MlaShape& s : {kOdd, kV2Lite}) {
+    const auto out = check_kernel<float>({s, 16, {1, 200, 33}, 2, 300.0f});
+    for (float x : out) ASSERT_TRUE(std::isfinite(x));
+    const auto split = check_kernel<float>({s, 16, {1, 200, 33}, 2, 300.0f, 16});
+    for (float x : split) ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
+TEST(CudaMlaDecode, RowsThatSeeNoKeyAreZeroWithLseMinusInfinity) {
+  KVATTN_REQUIRE_GPU();
+  // Q = 4 queries on sequences of 0, 1 and 2 tokens: the early queries have no position; with
+  // chunks of one token, most items are empty for most rows and the merge skips them.
+  for (std::int64_t chunk : {0, 1}) {
+    check_kernel<float>({kOdd, 7, {0, 1, 2}, 4, 1.0f, chunk});
+    check_kernel<bf16>({kV2Lite, 1, {2, 0, 1, 3}, 4, 1.0f, chunk});
+  }
+}
+
+TEST(CudaMlaDecode, LargeBatchOfMixedLengths) {
+  KVATTN_REQUIRE_GPU();
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::int64_t> len(0, 400);
+  std::vector<std::int64_t> lengths(37);
+  for (auto& n : lengths) n = len(rng);
+  check_kernel<bf16>({kFive, 16, lengths, 2});
+  check_kernel<float>({kV2Lite, 7, lengths, 1});
+  check_kernel<fp16>({kOne, 1, lengths, 3, 1.0f, 50});
+}
+
+TEST(CudaMlaDecode, PagedEqualsContiguousBitForBit) {
+  KVATTN_REQUIRE_GPU();
+  const std::vector<std::int64_t> lengths{300, 1, 77};
+  const auto contiguous = check_kernel<bf16>({kFive, 512, lengths, 2, 1.0f, 64}, 5);
+  for (int page : {1, 7, 16}) {
+    const auto paged = check_kernel<bf16>({kFive, page, lengths, 2, 1.0f, 64}, 5);
+    EXPECT_EQ(paged, contiguous) << "page size " << page;
+  }
+}
+
+TEST(CudaMlaDecode, WorkspaceIsReusedAcrossShapesAndBatches) {
+  KVATTN_REQUIRE_GPU();
+  cuda_tests::MlaDecoder decoder;
+  const Case big{kV2Lite, 7, {1000, 1, 0, 64}, 2, 1.0f, 32};
+  const auto first = check_kernel<float>(big, 3, &decoder);
+  const std::size_t grown = decoder.workspace_bytes();
+  EXPECT_GT(grown, 0u);
+  check_kernel<bf16>({kOne, 16, {5, 0}, 1}, 4, &decoder);
+  check_kernel<fp16>({kOdd, 1, {0}, 3}, 4, &decoder);
+  EXPECT_EQ(decoder.workspace_bytes(), grown) << "the workspace only grows, and these calls fit";
+  const auto again = check_kernel<float>(big, 3, &decoder);
+  EXPECT_EQ(again, first);
+  cuda_tests::MlaDecoder fresh;
+  EXPECT_EQ(check_kernel<float>(big, 3, &fresh), first);
+}
+
+TEST(CudaMlaDecode, LseIsOptional) {
+  KVATTN_REQUIRE_GPU();
+  const Case c{kFive, 7, {0, 90, 3}, 2, 1.0f, 32};
+  const checks::MlaInputs<float> f(c, 9);
+  cuda_tests::MlaDecoder decoder;
+  std::vector<float> with, without, lse;
+  decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), with, &lse);
+  decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), without, nullptr);
+  EXPECT_EQ(with, without);
+}
+
+TEST(CudaMlaDecode, NullPointersAreRejected) {
+  KVATTN_REQUIRE_GPU();
+  const Case c{kOdd, 7, {3, 9}, 1};
+  const checks::MlaInputs<float> f(c, 2);
+  cuda_tests::MlaDecoder decoder;
+  std::vector<float> out, lse;
+  using Null = cuda_tests::MlaDecoder::Null;
+  EXPECT_THROW(decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse, Null::q), kvattn::invalid_argument);
+  EXPECT_THROW(decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse, Null::out), kvattn::invalid_argument);
+  // The decoder is still usable.
+  decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse);
+  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale);
+}
+
+// No KVATTN_REQUIRE_GPU: every check throws before the device is touched.
+TEST(CudaMlaDecodeArguments, BadInputIsRejectedBeforeAnyDeviceWork) {
+  const kvattn::PageLayout mla = kvattn::PageLayout::make(kOdd, 4, sizeof(float));
+  const kvattn::PageLayout gqa = kvattn::PageLayout::make(kvattn::GqaShape::gqa(4, 2, 8), 4, sizeof(float));
+  kvattn::MlaDecodeParams p;
+  using cuda_tests::mla_decode_without_device;
+
+  EXPECT_NO_THROW(mla_decode_without_device(mla, 0, kOdd, p, false));  // an empty batch: nothing to do
+  EXPECT_THROW(mla_decode_without_device(gqa, 0, kOdd, p, false), kvattn::shape_error);
+  MlaShape other = kOdd;
+  other.latent_dim = 41;
+  try {
+    mla_decode_without_device(mla, 0, other, p, false);
+    ADD_FAILURE() << "no error";
+  } catch (const kvattn::shape_error& e) {
+    EXPECT_NE(std::string(e.what()).find("latent_dim=41"), std::string::npos) << e.what();
+  }
+  other = kOdd;
+  other.rope_dim = 8;
+  EXPECT_THROW(mla_decode_without_device(mla, 0, other, p, false), kvattn::shape_error);
+  other = kOdd;
+  other.heads = 0;
+  EXPECT_THROW(mla_decode_without_device(mla, 0, other, p, false), kvattn::shape_error);
+
+  p.queries_per_seq = 0;
+  try {
+    mla_decode_without_device(mla, 0, kOdd, p, false);
+    ADD_FAILURE() << "no error";
+  } catch (const kvattn::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("queries_per_seq=0"), std::string::npos) << e.what();
+  }
+  p.queries_per_seq = 1;
+  p.chunk_tokens = -1;
+  EXPECT_THROW(mla_decode_without_device(mla, 0, kOdd, p, false), kvattn::invalid_argument);
+  p.chunk_tokens = 0;
+  for (float bad : {-1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    p.scale = bad;
+    EXPECT_THROW(mla_decode_without_device(mla, 0, kOdd, p, false), kvattn::invalid_argument) << bad;
+  }
+  p.scale = 0.0f;
+  try {  // a batch, null q
+    mla_decode_without_device(mla, 1, kOdd, p, true);
+    ADD_FAILURE() << "no error";
+  } catch (const kvattn::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("null"), std::string::npos) << e.what();
+  }
+  try {  // a view that does not read the table's arrays
+    mla_decode_without_device(mla, 2, kOdd, p, false);
+    ADD_FAILURE() << "no error";
+  } catch (const kvattn::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("batch=2"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
