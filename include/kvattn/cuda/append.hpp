@@ -4,7 +4,8 @@
 //                 converted to the cache's element type (round to nearest even)
 //   write_latent: MLA, latent [count][latent_dim] and rope [count][rope_dim] (device)
 // for tokens [first, first + count) of one sequence in one layer, after PagedKvCache::append has
-// reserved them (or over tokens already written). As the host writes: every check first, then the
+// reserved them (or over tokens already written). The stored bits equal the host writes' for
+// every input but NaN (the device writes its canonical NaN). As the host writes: every check first, then the
 // copy-on-write of any shared page in the range (PagedKvCache::make_writable, on the device),
 // then one kernel on `stream`. A request that fails throws before anything changes.
 // The kernel finds each token's page through the sequence's page ids of the range, uploaded with

@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeArgs<D> a)
 /// (state.hpp) into out and lse.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_merge_kernel(const float* __restrict__ partial, const kvattn::DecodeWorkspace::Item* __restrict__ items,
-                        const std::int64_t* __restrict__ first_item, int kv_heads, int rows, int group, int Q, int q_heads,
+                        const std::int64_t* __restrict__ first_item, int rows, int group, int Q, int q_heads,
                         int dim, float* __restrict__ out, float* __restrict__ lse) {
   const int b = blockIdx.x, h = blockIdx.y, r = blockIdx.z;
   const int i = r / group, head = h * group + r % group;
@@ -304,6 +304,8 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
   constexpr int kMaxDim = 512;
   if (shape.head_dim > kMaxDim)
     raise<shape_error>(kvattn::detail::concat("cuda::decode: head_dim=", shape.head_dim, ": at most ", kMaxDim, " on the GPU"));
+  if (reinterpret_cast<std::uintptr_t>(kv.pool) % 16 != 0)
+    raise<invalid_argument>("cuda::decode: the pool must start on 16 bytes (rows are read with 16-byte loads)");
   if (kv.batch == 0) return;
 
   using D = typename impl::device_type<T>::type;
@@ -319,10 +321,10 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
   const PagedKvView<T> host = table.host_view(kv);
   ws.plan.plan(host, p.chunk_tokens, want, 64, 256, item_floats);
   const std::size_t n_items = ws.plan.items.size();
-  ws.items.upload(ws.plan.items.data(), n_items, stream);
-  ws.first_item.upload(ws.plan.first_item.data(), ws.plan.first_item.size(), stream);
   if (n_items > std::size_t{std::numeric_limits<int>::max()})
     raise<invalid_argument>(kvattn::detail::concat("cuda::decode: ", n_items, " work items exceed a grid (raise chunk_tokens)"));
+  ws.items.upload(ws.plan.items.data(), n_items, stream);
+  ws.first_item.upload(ws.plan.first_item.data(), ws.plan.first_item.size(), stream);
   float* partial = ws.partial.reserve(static_cast<std::size_t>(n_items * item_floats));
 
   impl::DecodeArgs<D> a{reinterpret_cast<const D*>(kv.pool), kv.layout, kv.indptr, kv.indices, kv.last_page_len,
@@ -345,7 +347,7 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
   }
   check(cudaGetLastError(), "cuda::decode launch");
   const dim3 merge_grid(static_cast<unsigned>(kv.batch), static_cast<unsigned>(H), static_cast<unsigned>(rows));
-  impl::decode_merge_kernel<<<merge_grid, impl::kDecodeThreads, 0, stream>>>(partial, ws.items.data(), ws.first_item.data(), H,
+  impl::decode_merge_kernel<<<merge_grid, impl::kDecodeThreads, 0, stream>>>(partial, ws.items.data(), ws.first_item.data(),
                                                                              rows, group, Q, shape.q_heads, dim, out, lse);
   check(cudaGetLastError(), "cuda::decode merge launch");
 }

@@ -101,10 +101,15 @@ struct DeviceMemory {
   static void deallocate(void* p, std::size_t /*bytes*/) noexcept {
     if (p != nullptr) (void)cudaFree(p);
   }
-  /// The copy-on-write of a page. It cannot fail on a working device; if the device itself has
-  /// failed the cache can no longer be kept consistent, and the program stops with the reason.
+  /// The copy-on-write of a page. Copies are rare (the first write into a shared page), so each
+  /// is ordered against every stream: the writer's may be non-blocking, and its earlier kernels
+  /// must finish writing the old page before the copy, the copy before its next kernel. It cannot
+  /// fail on a working device; if the device itself has failed the cache can no longer be kept
+  /// consistent, and the program stops with the reason.
   static void copy(void* dst, const void* src, std::size_t bytes) noexcept {
-    const cudaError_t e = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+    cudaError_t e = cudaDeviceSynchronize();
+    if (e == cudaSuccess) e = cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+    if (e == cudaSuccess) e = cudaDeviceSynchronize();
     if (e != cudaSuccess) {
       std::fprintf(stderr, "kvattn::cuda::DeviceMemory::copy: %s (%s)\n", cudaGetErrorName(e), cudaGetErrorString(e));
       std::abort();
