@@ -144,15 +144,66 @@ constexpr std::int64_t partial_row_floats(int dim) { return (std::int64_t{dim} +
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head
 /// block. One unit is several memory latencies of work already; prefetching further ahead
-/// measured slower (bench_decode, ctx 16K: 2 units 6-8% below 1 with two threads).
+/// measured slower (bench_decode, ctx 16K, two threads: 2 units 6-10% below 1).
 inline constexpr int kPrefetchUnits = 1;
 
-/// Prefetches into L2 the cache lines that hold bytes [begin, end) of `row`.
-KVATTN_ALWAYS_INLINE void prefetch_lines_l2(const void* row, int begin, int end) noexcept {
-  const auto first = reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(begin);
-  const auto last = reinterpret_cast<std::uintptr_t>(row) + static_cast<std::uintptr_t>(end);
-  for (std::uintptr_t a = first & ~std::uintptr_t{63}; a < last; a += 64) KVATTN_PREFETCH_L2(reinterpret_cast<const void*>(a));
-}
+/// Work of one row's online-softmax step over a tile, in the units PrefetchStream counts work in
+/// (element operations of a score pass): measured, it takes as long as scoring about 80 · 32 elements.
+inline constexpr std::int64_t kSoftmaxWork = 80 * kDecodeTile;
+
+/// The prefetches (into L2) of a later unit's rows: the cache lines of its first n key rows, then
+/// of their value rows. They are not issued at once but a few lines at a time through every phase
+/// of a tile's work (scores, softmax, values), in proportion to that work (`work` in all), so that
+/// the misses stream out at an even rate: issued in bursts they leave the memory idle between
+/// bursts and stall on full line fill buffers (bench_decode, 32/8×128: 12-20% slower).
+template <class T> class PrefetchStream {
+ public:
+  PrefetchStream(const T* const* rows, int n, std::int64_t value_minus_key, int row_bytes, std::int64_t work) noexcept
+      : rows_(rows), n_(n), value_minus_key_(value_minus_key), row_bytes_(row_bytes) {
+    if (n_ == 0) return;
+    start_row();
+    const auto row_lines = static_cast<std::int64_t>((end_ - line_ + 63) / 64);  // the first row's, for all
+    rate_ = work > 0 ? (std::int64_t{2} * n * row_lines << kShift) / work : 0;
+  }
+  /// `w` units of work done: issues the lines they have earned.
+  KVATTN_ALWAYS_INLINE void work(std::int64_t w) noexcept {
+    credit_ += w * rate_;
+    for (; credit_ >= kOne && t_ < n_; credit_ -= kOne) next();
+  }
+  /// Issues every line not issued yet.
+  void finish() noexcept {
+    while (t_ < n_) next();
+  }
+
+ private:
+  static constexpr int kShift = 16;
+  static constexpr std::int64_t kOne = std::int64_t{1} << kShift;
+
+  void start_row() noexcept {
+    const auto row = reinterpret_cast<std::uintptr_t>(rows_[t_] + (values_ ? value_minus_key_ : 0));
+    line_ = row & ~std::uintptr_t{63};
+    end_ = row + static_cast<std::uintptr_t>(row_bytes_);
+  }
+  KVATTN_ALWAYS_INLINE void next() noexcept {
+    KVATTN_PREFETCH_L2(reinterpret_cast<const void*>(line_));
+    line_ += 64;
+    if (line_ < end_) return;
+    if (++t_ == n_ && !values_) {
+      values_ = true;
+      t_ = 0;
+    }
+    if (t_ < n_) start_row();
+  }
+
+  const T* const* rows_;
+  int n_;
+  std::int64_t value_minus_key_;
+  int row_bytes_;
+  std::int64_t rate_ = 0, credit_ = 0;  // lines per unit of work, lines earned; both in 1 / kOne
+  int t_ = 0;
+  bool values_ = false;
+  std::uintptr_t line_ = 0, end_ = 0;
+};
 
 /// One row's online-softmax step over a tile of N scores `s` (-inf where the row sees no key):
 /// turns them into exp(s − m) with m the new running maximum (all 0 while the row has seen
@@ -188,24 +239,22 @@ template <class Isa, int N> KVATTN_ALWAYS_INLINE float online_softmax(float* s, 
   return alpha;
 }
 
-/// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order).
-/// ahead[t] (t < n_ahead): a key row of a later unit whose value row's bytes [pf_begin, pf_end)
-/// are prefetched meanwhile, one token's share per token: every pass over the value rows
-/// prefetches its own columns of the later rows, so the misses are issued at an even rate
-/// through the tile (in bursts they measured 15-20% slower: the line fill buffers run full).
+/// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order),
+/// telling `pf` the work of each token.
 template <class Isa, int NR, int CP, class T>
 KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minus_key, int n, int c0,
                                    const float (*p)[kDecodeTile], const float* alpha, float* const* o,
-                                   const T* const* ahead, int n_ahead, int pf_begin, int pf_end) noexcept {
+                                   PrefetchStream<T>& pf) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
+  constexpr int kTokenWork = (NR + 1) * V2 * W;  // NR rows' multiply-adds and the conversion
   Vec acc[NR][V2];
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
     const Vec al = Vec::set1(alpha[r]);
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
   }
   for (int t = 0; t < n; ++t) {
-    if (t < n_ahead) prefetch_lines_l2(ahead[t] + value_minus_key, pf_begin, pf_end);
+    pf.work(kTokenWork);
     Vec v[V2];
     KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
@@ -219,8 +268,7 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
-/// keys[t] + value_minus_key; ahead[t] (t < n_ahead): a key row of a later unit, prefetched
-/// during the score pass (its value row during the value pass, pv_pairs).
+/// keys[t] + value_minus_key; `pf` is told the work as it is done, and prefetches accordingly.
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); qpos[r]: its position;
 /// o[r]: its running output [dim] in pair order, then {m, d}.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
@@ -229,7 +277,7 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
 template <class Isa, int D, int NR, class V, class T>
-KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, int n_ahead, std::int64_t value_minus_key,
+KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& pf, std::int64_t value_minus_key,
                                       int n, std::int64_t t0, int dim, const float* const* qr, const std::int64_t* qpos,
                                       float* const* o, float scale, const DecodeParams& p) noexcept {
   using Vec = simd::Vec<Isa>;
@@ -238,15 +286,12 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
-  const int row_bytes = dim * static_cast<int>(sizeof(T));
+  const std::int64_t token_work = std::int64_t{NR + 1} * dim;  // NR rows' multiply-adds and the conversion
 
   // 1. Scores.
   Vec red[NR][kDecodeTile];
   for (int t = 0; t < n; ++t) {
-    if (t < n_ahead) {  // the key rows of a later unit, one token per token of this tile
-      prefetch_lines_l2(ahead[t], 0, row_bytes);
-      if (pairs == 0) prefetch_lines_l2(ahead[t] + value_minus_key, 0, row_bytes);  // (no pair pass below)
-    }
+    pf.work(token_work);
     const T* key = keys[t];
     Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
@@ -288,24 +333,18 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
 
     alpha[r] = online_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
+    pf.work(kSoftmaxWork);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
   // independent accumulators, as many as half the vector registers hold, so that the
-  // multiply-adds' latency is covered even for one row. Each pass prefetches the same columns
-  // of the later unit's value rows, the last one also the columns after the pairs.
+  // multiply-adds' latency is covered even for one row.
   constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
-  constexpr int kPairBytes = W2 * static_cast<int>(sizeof(T));
-  for (int c = 0; c < pairs;) {
-    const int step = c + CP <= pairs ? CP : 1, pf_end = c + step == pairs ? row_bytes : (c + step) * kPairBytes;
-    if (step == CP)
-      pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o, ahead, n_ahead, c * kPairBytes, pf_end);
-    else
-      pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o, ahead, n_ahead, c * kPairBytes, pf_end);
-    c += step;
-  }
-  for (int c = rest; c < dim; c += W) {  // whole vectors, then the partial one
+  int c = 0;
+  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o, pf);
+  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o, pf);
+  for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
     const int width = std::min(W, dim - c);
     Vec a[NR];
     KVATTN_UNROLL for (int r = 0; r < NR; ++r)
@@ -397,6 +436,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
 
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
+  const int row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const float* qr[kRowBlock];
   std::int64_t qpos[kRowBlock];
   float* o[kRowBlock];
@@ -424,6 +464,9 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
         for (int t = 0; t < n; ++t) keys[t] = cur->token[i0 + t] + key_offset;
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n_ahead; ++t) ahead[t] = sp->token[i0 + t] + ahead_offset;
+        // The tile's work over all row blocks: every block scores and mixes every token.
+        const std::int64_t work = std::int64_t{2} * n * dim * (rows + row_blocks) + rows * kSoftmaxWork;
+        PrefetchStream<T> pf(ahead, n_ahead, value_minus_key, dim * static_cast<int>(sizeof(T)), work);
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);
           for (int r = 0; r < nr; ++r) {
@@ -432,12 +475,11 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
             qpos[r] = length - Q + row / group;
             o[r] = part + (std::int64_t{h} * rows + row) * stride;
           }
-          const int na = r0 == 0 ? n_ahead : 0;
           switch (nr) {
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, D, NR, V>(keys, ahead, na, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
+      decode_tile<Isa, D, NR, V>(keys, pf, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -446,10 +488,11 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, D, kRowBlock, V>(keys, ahead, na, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
+            default: decode_tile<Isa, D, kRowBlock, V>(keys, pf, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }
+        pf.finish();
       }
     }
     std::swap(cur, nxt);
@@ -490,11 +533,13 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
 
   // Work items: (sequence, chunk of keys), every KV head of the chunk in one item (see
   // decode_item); chunks chosen by the workspace are whole spans, so they start where pages do.
-  // Per item: the partial outputs [kv_heads][rows][row_floats], then its queries
-  // [kv_heads][rows][D], rounded up to a cache line.
+  // About 8 items per thread where the batch alone gives fewer: a thread that starts late
+  // (woken by the parallel-for) then costs the others less than one item's time (4 per thread
+  // measured 2-3% slower at batch 1, two threads). Per item: the partial outputs
+  // [kv_heads][rows][row_floats], then its queries [kv_heads][rows][D], rounded up to a cache line.
   const std::int64_t row_floats = decode_impl::partial_row_floats(D);
   const std::int64_t item_floats = (std::int64_t{shape.kv_heads} * rows * (row_floats + D) + 15) / 16 * 16;
-  float* const base = ws.plan(kv, p.chunk_tokens, 4 * std::int64_t{p.threads}, decode_impl::kDecodeSpan, 256, item_floats);
+  float* const base = ws.plan(kv, p.chunk_tokens, 8 * std::int64_t{p.threads}, decode_impl::kDecodeSpan, 256, item_floats);
 
   const auto run_item = [&](std::int64_t i) {
     const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
