@@ -155,54 +155,57 @@ inline constexpr std::int64_t kSoftmaxWork = 80 * kDecodeTile;
 /// of their value rows. They are not issued at once but a few lines at a time through every phase
 /// of a tile's work (scores, softmax, values), in proportion to that work (`work` in all), so that
 /// the misses stream out at an even rate: issued in bursts they leave the memory idle between
-/// bursts and stall on full line fill buffers (bench_decode, 32/8×128: 12-20% slower).
+/// bursts and stall on full line fill buffers (bench_decode, 32/8×128: 12-20% slower). A call
+/// site asks for rate(w) once and issues it for every w units of work it does: a whole number of
+/// lines, the same at every call, and one more whenever the fractions have earned it (a loop
+/// whose trip count varied from call to call measured 10% slower on L2-resident keys). The
+/// lines' addresses are listed when the stream is made, so issuing one is a load and a prefetch.
 template <class T> class PrefetchStream {
  public:
-  PrefetchStream(const T* const* rows, int n, std::int64_t value_minus_key, int row_bytes, std::int64_t work) noexcept
-      : rows_(rows), n_(n), value_minus_key_(value_minus_key), row_bytes_(row_bytes) {
-    if (n_ == 0) return;
-    start_row();
-    const auto row_lines = static_cast<std::int64_t>((end_ - line_ + 63) / 64);  // the first row's, for all
-    rate_ = work > 0 ? (std::int64_t{2} * n * row_lines << kShift) / work : 0;
+  struct Rate {
+    int whole;           ///< lines per call
+    std::int64_t frac;   ///< and this fraction of one, in 1 / kOne
+  };
+
+  PrefetchStream(const T* const* rows, int n, std::int64_t value_minus_key, int row_bytes, std::int64_t work) noexcept {
+    const int row_lines = (row_bytes + 63) / 64 + (row_bytes % 64 != 0);  // an unaligned row may touch one more
+    const int per_row = std::min(row_lines, kMaxRowLines);
+    for (int half = 0; half < 2; ++half)  // the keys, then the values
+      for (int t = 0; t < n; ++t) {
+        auto a = reinterpret_cast<std::uintptr_t>(rows[t] + (half ? value_minus_key : 0)) & ~std::uintptr_t{63};
+        for (int j = 0; j < per_row; ++j, a += 64) line_[n_++] = reinterpret_cast<const char*>(a);
+      }
+    if (work > 0) per_work_ = (std::int64_t{n_} << kShift) / work;
   }
-  /// `w` units of work done: issues the lines they have earned.
-  KVATTN_ALWAYS_INLINE void work(std::int64_t w) noexcept {
-    credit_ += w * rate_;
-    for (; credit_ >= kOne && t_ < n_; credit_ -= kOne) next();
+
+  Rate rate(std::int64_t w) const noexcept {
+    const std::int64_t lines = w * per_work_;
+    return {static_cast<int>(lines >> kShift), lines & (kOne - 1)};
+  }
+  /// The lines of one call at rate r.
+  KVATTN_ALWAYS_INLINE void issue(Rate r) noexcept {
+    for (int k = 0; k < r.whole && i_ < n_; ++k) KVATTN_PREFETCH_L2(line_[i_++]);
+    credit_ += r.frac;
+    if (credit_ >= kOne && i_ < n_) {
+      KVATTN_PREFETCH_L2(line_[i_++]);
+      credit_ -= kOne;
+    }
   }
   /// Issues every line not issued yet.
   void finish() noexcept {
-    while (t_ < n_) next();
+    while (i_ < n_) KVATTN_PREFETCH_L2(line_[i_++]);
   }
 
  private:
   static constexpr int kShift = 16;
   static constexpr std::int64_t kOne = std::int64_t{1} << kShift;
+  /// Lines of a row at most: a longer row gets its first ones, and the hardware's stream
+  /// prefetcher, which follows a run of lines on its own, the rest.
+  static constexpr int kMaxRowLines = 9;
 
-  void start_row() noexcept {
-    const auto row = reinterpret_cast<std::uintptr_t>(rows_[t_] + (values_ ? value_minus_key_ : 0));
-    line_ = row & ~std::uintptr_t{63};
-    end_ = row + static_cast<std::uintptr_t>(row_bytes_);
-  }
-  KVATTN_ALWAYS_INLINE void next() noexcept {
-    KVATTN_PREFETCH_L2(reinterpret_cast<const void*>(line_));
-    line_ += 64;
-    if (line_ < end_) return;
-    if (++t_ == n_ && !values_) {
-      values_ = true;
-      t_ = 0;
-    }
-    if (t_ < n_) start_row();
-  }
-
-  const T* const* rows_;
-  int n_;
-  std::int64_t value_minus_key_;
-  int row_bytes_;
-  std::int64_t rate_ = 0, credit_ = 0;  // lines per unit of work, lines earned; both in 1 / kOne
-  int t_ = 0;
-  bool values_ = false;
-  std::uintptr_t line_ = 0, end_ = 0;
+  const char* line_[2 * kDecodeTile * kMaxRowLines];
+  int n_ = 0, i_ = 0;                       // lines, lines issued
+  std::int64_t per_work_ = 0, credit_ = 0;  // lines per unit of work, lines earned; both in 1 / kOne
 };
 
 /// One row's online-softmax step over a tile of N scores `s` (-inf where the row sees no key):
@@ -247,14 +250,14 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
                                    PrefetchStream<T>& pf) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
-  constexpr int kTokenWork = (NR + 1) * V2 * W;  // NR rows' multiply-adds and the conversion
+  const auto pf_rate = pf.rate((NR + 1) * V2 * W);  // a token's work: NR rows' multiply-adds and the conversion
   Vec acc[NR][V2];
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
     const Vec al = Vec::set1(alpha[r]);
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
   }
   for (int t = 0; t < n; ++t) {
-    pf.work(kTokenWork);
+    pf.issue(pf_rate);
     Vec v[V2];
     KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
@@ -286,12 +289,12 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
-  const std::int64_t token_work = std::int64_t{NR + 1} * dim;  // NR rows' multiply-adds and the conversion
+  const auto pf_rate = pf.rate(std::int64_t{NR + 1} * dim);  // a token's work: NR rows' multiply-adds and the conversion
 
   // 1. Scores.
   Vec red[NR][kDecodeTile];
   for (int t = 0; t < n; ++t) {
-    pf.work(token_work);
+    pf.issue(pf_rate);
     const T* key = keys[t];
     Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
@@ -320,6 +323,7 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   // 2. Online softmax. s[r][t]: scores, then probabilities (0 for tokens a row does not see).
   alignas(64) float s[NR][kDecodeTile];
   float alpha[NR];
+  const auto pf_softmax = pf.rate(kSoftmaxWork);
   for (int r = 0; r < NR; ++r) {
     const Vec vscale = Vec::set1(scale);
     for (int g = 0; g < kDecodeTile; g += W) (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
@@ -333,7 +337,7 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
     for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
 
     alpha[r] = online_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
-    pf.work(kSoftmaxWork);
+    pf.issue(pf_softmax);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
