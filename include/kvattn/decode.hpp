@@ -73,6 +73,14 @@ struct DecodeWorkspace {
   template <class T>
   float* plan(const PagedKvView<T>& kv, std::int64_t chunk_tokens, std::int64_t want, std::int64_t granule,
               std::int64_t min_chunk, std::int64_t item_floats) {
+    return aligned_partial(plan_items(kv, chunk_tokens, want, granule, min_chunk, item_floats));
+  }
+
+  /// plan() without the partial buffer (for callers that keep the partial results elsewhere, as
+  /// the CUDA launchers do on the device): fills items and first_item, returns the floats of all items.
+  template <class T>
+  std::int64_t plan_items(const PagedKvView<T>& kv, std::int64_t chunk_tokens, std::int64_t want, std::int64_t granule,
+                          std::int64_t min_chunk, std::int64_t item_floats) {
     std::int64_t total = 0;
     for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
     std::int64_t chunk = chunk_tokens;
@@ -92,7 +100,7 @@ struct DecodeWorkspace {
       }
       first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(items.size());
     }
-    return aligned_partial(floats);
+    return floats;
   }
 
   /// `floats` floats of `partial` starting on a cache line (grown as needed): every row an item

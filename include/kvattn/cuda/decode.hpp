@@ -9,7 +9,7 @@
 // (within the last `window` for Variant<true, ...>; scores capped for Variant<..., true>).
 //
 // Work: the batch is split into items (sequence, chunk of keys) on the host, as the CPU operator
-// splits it (kvattn::DecodeWorkspace::plan), with enough items to give every multiprocessor a few
+// splits it (kvattn::DecodeWorkspace::plan_items), with enough items to give every multiprocessor a few
 // thread blocks. One thread block per (item, KV head, block of up to 8 query rows); the rows of a
 // block are the query heads of the group (times Q), so each key and value byte of a chunk is read
 // from memory once for groups up to 8 (larger groups take several row blocks, which read the same
@@ -319,7 +319,7 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
   const std::int64_t want = std::max<std::int64_t>(1, (4 * std::int64_t{multiprocessors()} + blocks_per_item - 1) / blocks_per_item);
   const std::int64_t item_floats = std::int64_t{shape.kv_heads} * rows * (dim + 2);
   const PagedKvView<T> host = table.host_view(kv);
-  ws.plan.plan(host, p.chunk_tokens, want, 64, 256, item_floats);
+  ws.plan.plan_items(host, p.chunk_tokens, want, 64, 256, item_floats);
   const std::size_t n_items = ws.plan.items.size();
   if (n_items > std::size_t{std::numeric_limits<int>::max()})
     raise<invalid_argument>(kvattn::detail::concat("cuda::decode: ", n_items, " work items exceed a grid (raise chunk_tokens)"));

@@ -582,7 +582,7 @@ void mla_decode(const PagedKvView<T>& kv, const DevicePageTable& table, const Ml
   const std::int64_t blocks_per_item = row_blocks * col_blocks;
   const std::int64_t want = std::max<std::int64_t>(1, (2 * std::int64_t{ws.multiprocessors} + blocks_per_item - 1) / blocks_per_item);
   ws.uploaded.wait();  // the previous call's uploads read the host plan
-  ws.plan.plan(table.host_view(kv), p.chunk_tokens, want, mla_impl::kTile, 8 * mla_impl::kTile, 0);
+  ws.plan.plan_items(table.host_view(kv), p.chunk_tokens, want, mla_impl::kTile, 8 * mla_impl::kTile, 0);
   std::int64_t split_rows = 0;
   for (int b = 0; b < kv.batch; ++b) {
     const std::int64_t first = ws.plan.first_item[static_cast<std::size_t>(b)];
