@@ -155,8 +155,10 @@ inline constexpr int kDecodeSpan = 64;
 /// measured slower (bench_decode, ctx 16K, two threads: 2 units 6-10% below 1).
 inline constexpr int kPrefetchUnits = 1;
 
-/// Work of one row's online-softmax step over a tile, in the units PrefetchStream counts work in
-/// (element operations of a score pass): measured, it takes as long as scoring about 80 · 32 elements.
+/// The work PrefetchStream paces itself by, in element operations: one token's key or value
+/// columns [cols] against `rows` query rows costs the rows' multiply-adds and one conversion.
+constexpr std::int64_t token_work(int rows, int cols) { return std::int64_t{rows + 1} * cols; }
+/// One row's online-softmax step over a tile: measured, as long as scoring about 80 · 32 elements.
 inline constexpr std::int64_t kSoftmaxWork = 80 * kDecodeTile;
 
 /// The prefetches (into L2) of a later unit's rows: the cache lines of its first n key rows, then
@@ -258,7 +260,7 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
                                    PrefetchStream<T>& pf) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
-  const auto pf_rate = pf.rate((NR + 1) * V2 * W);  // a token's work: NR rows' multiply-adds and the conversion
+  const auto pf_rate = pf.rate(token_work(NR, V2 * W));
   Vec acc[NR][V2];
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
     const Vec al = Vec::set1(alpha[r]);
@@ -297,7 +299,7 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
-  const auto pf_rate = pf.rate(std::int64_t{NR + 1} * dim);  // a token's work: NR rows' multiply-adds and the conversion
+  const auto pf_rate = pf.rate(token_work(NR, dim));
 
   // 1. Scores.
   Vec red[NR][kDecodeTile];
@@ -448,7 +450,6 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
 
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
-  const int row_blocks = (rows + kRowBlock - 1) / kRowBlock;
   const float* qr[kRowBlock];
   std::int64_t qpos[kRowBlock];
   float* o[kRowBlock];
@@ -476,8 +477,13 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
         for (int t = 0; t < n; ++t) keys[t] = cur->token[i0 + t] + key_offset;
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n_ahead; ++t) ahead[t] = sp->token[i0 + t] + ahead_offset;
-        // The tile's work over all row blocks: every block scores and mixes every token.
-        const std::int64_t work = std::int64_t{2} * n * dim * (rows + row_blocks) + rows * kSoftmaxWork;
+        // The tile's work over all row blocks: each scores every token, runs its rows' softmax
+        // steps and mixes every token's values.
+        std::int64_t work = 0;
+        for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+          const int nr = std::min(kRowBlock, rows - r0);
+          work += 2 * n * token_work(nr, dim) + nr * kSoftmaxWork;
+        }
         PrefetchStream<T> pf(ahead, n_ahead, value_minus_key, dim * static_cast<int>(sizeof(T)), work);
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);
