@@ -62,7 +62,8 @@ struct PrefillWorkspace {
 KVATTN_BEGIN_TARGET_NAMESPACE
 namespace prefill_impl {
 
-inline constexpr int kTile = 16;  // keys per tile
+inline constexpr int kTile = 32;  // keys per tile: each output row is loaded, rescaled and stored once per tile
+inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
 
 /// Floats of scratch one item needs.
 template <class Isa> constexpr std::int64_t scratch_floats(int rows, int dim) {
@@ -77,13 +78,15 @@ template <class Isa> constexpr std::int64_t scratch_floats(int rows, int dim) {
 }
 
 /// Scores of NB consecutive blocks of W query rows against a tile: sc[j][t] (a vector of W
-/// rows) = Σ_d kf[t][d] · qb[j][d]. Each broadcast key element serves NB blocks, and the NB ·
-/// kTile / NB accumulators fill the registers: one load per NB fused multiply-adds.
+/// rows) = Σ_d kf[t][d] · qb[j][d], kScoreRegs / NB keys per pass. Each broadcast key element
+/// serves NB blocks, and the kScoreRegs accumulators fill the registers: one load per NB fused
+/// multiply-adds.
 ///   qb  [NB][dim][W]  queries, rows in lanes     kf  [kTile][dim]     sc  [NB][kTile][W]
 template <class Isa, int D, int NB>
 KVATTN_ALWAYS_INLINE void tile_scores(const float* qb, const float* kf, int dim, float* sc) noexcept {
   using Vec = simd::Vec<Isa>;
-  constexpr int W = Vec::lanes, H = kTile / NB;  // tokens per pass
+  constexpr int W = Vec::lanes, H = kScoreRegs / NB;  // keys per pass
+  static_assert(kTile % H == 0);
   if constexpr (D > 0) dim = D;
   for (int h0 = 0; h0 < kTile; h0 += H) {
     Vec acc[NB][H];
@@ -184,33 +187,26 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
           tile_scores<Isa, D, 1>(qb, kf, dim, sc);
       }
       if (t0 > block_last) continue;  // causal: no row of this block sees this tile
-      Vec s[kTile];
-      for (int t = 0; t < kTile; ++t) s[t] = Vec::load(sc + ((b % 2) * kTile + t) * W);
+      float* sb = sc + (b % 2) * kTile * W;  // this block's scores: [kTile][W]
+      if constexpr (V::soft_cap)
+        for (int i = 0; i < kTile * W; ++i) sb[i] = p.soft_cap * std::tanh(sb[i] / p.soft_cap);
       const bool diagonal = t0 + kTile - 1 > block_first;  // some row cannot see some key (or padding)
       const bool windowed = V::sliding_window && t0 <= block_last - p.window;
-      for (int t = 0; t < kTile; ++t) {
-        if constexpr (V::soft_cap) {
-          float tmp[W];
-          s[t].store(tmp);
-          for (int l = 0; l < W; ++l) tmp[l] = p.soft_cap * std::tanh(tmp[l] / p.soft_cap);
-          s[t] = Vec::load(tmp);
-        }
-        if (diagonal || windowed) {
-          float tmp[W];
-          s[t].store(tmp);
+      if (diagonal || windowed) {
+        std::int64_t qpos[W];  // each lane's token position
+        for (int l = 0; l < W; ++l) qpos[l] = first_pos + (r0 + l) / group;
+        for (int t = 0; t < kTile; ++t)
           for (int l = 0; l < W; ++l) {
-            const std::int64_t qpos = first_pos + (r0 + l) / group, pos = t0 + t;
-            bool visible = pos <= qpos;  // (padding lies past last_pos, so past every qpos)
-            if constexpr (V::sliding_window) visible = visible && pos > qpos - p.window;
-            if (!visible) tmp[l] = kNegInf;
+            const std::int64_t pos = t0 + t;
+            bool visible = pos <= qpos[l];  // (padding lies past last_pos, so past every qpos)
+            if constexpr (V::sliding_window) visible = visible && pos > qpos[l] - p.window;
+            if (!visible) sb[t * W + l] = kNegInf;
           }
-          s[t] = Vec::load(tmp);
-        }
       }
       // Online softmax for W rows at once.
       const Vec m_old = Vec::load(mrow + r0);
       Vec m_new = m_old;
-      for (int t = 0; t < kTile; ++t) m_new = max(m_new, s[t]);
+      for (int t = 0; t < kTile; ++t) m_new = max(m_new, Vec::load(sb + t * W));
       // α = exp(m_old - m_new) is 0 for a row that had seen nothing (m_old = -inf, also when
       // m_new is: simd exp maps NaN to 0); a row that still sees nothing shifts by the lowest
       // finite float instead of -inf, so its probabilities are exp(-inf) = 0, never NaN.
@@ -218,13 +214,13 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       const Vec shift = max(m_new, Vec::set1(std::numeric_limits<float>::lowest()));
       float alpha[W];
       a.store(alpha);
-      Vec sum = Vec::zero();
+      Vec sum[2] = {Vec::zero(), Vec::zero()};  // (two chains of additions)
       for (int t = 0; t < kTile; ++t) {
-        const Vec e = exp(s[t] - shift);
+        const Vec e = exp(Vec::load(sb + t * W) - shift);
         e.store(pr + t * W);
-        sum = sum + e;
+        sum[t % 2] = sum[t % 2] + e;
       }
-      fma(Vec::load(drow + r0), a, sum).store(drow + r0);
+      fma(Vec::load(drow + r0), a, sum[0] + sum[1]).store(drow + r0);
       m_new.store(mrow + r0);
       // o_r = α_r · o_r + Σ_t p[t][r] · v_t for the block's W rows (padding rows included: they
       // are scratch, never read), R rows × 2 vectors of columns in registers at once: 2R
