@@ -108,8 +108,7 @@ struct DecodeWorkspace {
   float* aligned_partial(std::int64_t floats) {
     constexpr std::size_t line = 64 / sizeof(float);
     if (partial.size() < static_cast<std::size_t>(floats) + line) partial.resize(static_cast<std::size_t>(floats) + line);
-    const std::size_t past = reinterpret_cast<std::uintptr_t>(partial.data()) % 64 / sizeof(float);
-    return partial.data() + (past == 0 ? 0 : line - past);
+    return detail::align_to_line(partial.data());
   }
 
   std::size_t bytes() const noexcept {

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -23,6 +24,16 @@ namespace kvattn {
 inline constexpr std::size_t kAlignment = 64;
 /// Alignment of large host allocations (a transparent huge page on x86-64 and most aarch64).
 inline constexpr std::size_t kHugePage = std::size_t{2} << 20;
+
+namespace detail {
+/// The first element of `p`'s array that starts on a cache line (kAlignment): at most
+/// kAlignment / sizeof(T) - 1 elements in, for a buffer (std::vector's, say) that may not.
+template <class T> T* align_to_line(T* p) noexcept {
+  static_assert(kAlignment % sizeof(T) == 0);
+  const std::size_t past = reinterpret_cast<std::uintptr_t>(p) % kAlignment / sizeof(T);
+  return p + (past == 0 ? 0 : kAlignment / sizeof(T) - past);
+}
+}  // namespace detail
 
 /// Aligned host memory, zero-filled.
 struct HostMemory {

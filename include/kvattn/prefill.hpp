@@ -65,17 +65,42 @@ namespace prefill_impl {
 inline constexpr int kTile = 32;  // keys per tile: each output row is loaded, rescaled and stored once per tile
 inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
 
-/// Floats of scratch one item needs.
-template <class Isa> constexpr std::int64_t scratch_floats(int rows, int dim) {
-  constexpr int W = simd::Vec<Isa>::lanes;
-  const std::int64_t blocks = (rows + W - 1) / W;
-  return blocks * W * dim      // queries, transposed per block of W rows: [block][dim][W], pre-scaled
-         + 2 * kTile * dim     // the tile's keys and values as fp32: [kTile][dim] each
-         + kTile * W           // probabilities of one row block: [kTile][W]
-         + 2 * blocks * W      // running max and sum per row
-         + 2 * kTile * W       // scores of two blocks of rows: [2][kTile][W]
-         + blocks * W * dim;   // the outputs, accumulated: [blocks · W][dim] (padding rows too)
-}
+inline constexpr std::int64_t kLineFloats = kAlignment / sizeof(float);
+
+/// An item's scratch: where each region starts, in floats from the item's start, which is on a
+/// cache line, as every region's is (a vector load that straddles two lines costs two: on
+/// AVX-512, every load of the kernel's inner loops).
+struct ScratchLayout {
+  std::int64_t qt;       ///< queries, transposed per block of W rows: [block][dim][W], pre-scaled
+  std::int64_t kf, vf;   ///< the tile's keys and values as fp32: [kTile][dim] each
+  std::int64_t pr;       ///< probabilities of one row block: [kTile][W]
+  std::int64_t mrow, drow;  ///< running max and sum per row: [blocks · W] each
+  std::int64_t sc;       ///< scores of two blocks of rows: [2][kTile][W]
+  std::int64_t acc_out;  ///< the outputs, accumulated: [blocks · W][dim] (padding rows too)
+  std::int64_t floats;   ///< in all, a whole number of cache lines
+
+  template <class Isa> static constexpr ScratchLayout of(int rows, int dim) noexcept {
+    constexpr int W = simd::Vec<Isa>::lanes;
+    const std::int64_t blocks = (rows + W - 1) / W;
+    std::int64_t at = 0;
+    const auto take = [&at](std::int64_t n) {
+      const std::int64_t start = at;
+      at += (n + kLineFloats - 1) / kLineFloats * kLineFloats;
+      return start;
+    };
+    ScratchLayout l{};
+    l.qt = take(blocks * W * dim);
+    l.kf = take(std::int64_t{kTile} * dim);
+    l.vf = take(std::int64_t{kTile} * dim);
+    l.pr = take(kTile * W);
+    l.mrow = take(blocks * W);
+    l.drow = take(blocks * W);
+    l.sc = take(2 * kTile * W);
+    l.acc_out = take(blocks * W * dim);
+    l.floats = at;
+    return l;
+  }
+};
 
 /// Scores of NB consecutive blocks of W query rows against a tile: sc[j][t] (a vector of W
 /// rows) = Σ_d kf[t][d] · qb[j][d], kScoreRegs / NB keys per pass. Each broadcast key element
@@ -117,14 +142,15 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
   const int rows = group * tokens;
   const int blocks = (rows + W - 1) / W;
   const std::int64_t row_stride = std::int64_t{q_heads} * dim;  // floats per token in q and out
-  float* qt = scratch;                                  // [blocks][dim][W]
-  float* kf = qt + std::int64_t{blocks} * W * dim;      // [kTile][dim]
-  float* vf = kf + kTile * dim;                         // [kTile][dim]
-  float* pr = vf + kTile * dim;                         // [kTile][W]
-  float* mrow = pr + kTile * W;                         // [blocks · W]
-  float* drow = mrow + std::int64_t{blocks} * W;        // [blocks · W]
-  float* sc = drow + std::int64_t{blocks} * W;          // [2][kTile][W] scores of two blocks
-  float* acc_out = sc + 2 * kTile * W;                  // [blocks · W][dim]
+  const ScratchLayout layout = ScratchLayout::of<Isa>(rows, dim);
+  float* qt = scratch + layout.qt;            // [blocks][dim][W]
+  float* kf = scratch + layout.kf;            // [kTile][dim]
+  float* vf = scratch + layout.vf;            // [kTile][dim]
+  float* pr = scratch + layout.pr;            // [kTile][W]
+  float* mrow = scratch + layout.mrow;        // [blocks · W]
+  float* drow = scratch + layout.drow;        // [blocks · W]
+  float* sc = scratch + layout.sc;            // [2][kTile][W] scores of two blocks
+  float* acc_out = scratch + layout.acc_out;  // [blocks · W][dim]
   constexpr int kPvRows = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
   const auto q_of = [&](int r) { return q + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
   // Outputs accumulate in scratch, rows dim apart, and reach `out` (rows q_heads · dim apart,
@@ -344,9 +370,11 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
          n > 0 && t >= q_indptr[b]; t -= p.query_block)
       for (int h = 0; h < shape.kv_heads; ++h)
         ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + p.query_block)});
-  const std::int64_t per_item = prefill_impl::scratch_floats<Isa>(group * p.query_block, D);
-  if (ws.scratch.size() < static_cast<std::size_t>(per_item) * ws.items.size())
-    ws.scratch.resize(static_cast<std::size_t>(per_item) * ws.items.size());
+  // Every item's scratch starts on a cache line (per_item is a whole number of them).
+  const std::int64_t per_item = prefill_impl::ScratchLayout::of<Isa>(group * p.query_block, D).floats;
+  const std::size_t scratch_floats = static_cast<std::size_t>(per_item) * ws.items.size() + prefill_impl::kLineFloats;
+  if (ws.scratch.size() < scratch_floats) ws.scratch.resize(scratch_floats);
+  float* const scratch_base = detail::align_to_line(ws.scratch.data());
 
   const BatchPageTable table = cache.page_table(seqs);
   const PagedKvView<T> kv = cache.view(table, layer);
@@ -357,7 +385,7 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
     const std::int64_t first_pos = chunk_first + (it.q_begin - q_indptr[it.seq]);
     const int tokens = static_cast<int>(it.q_end - it.q_begin);
     float* l = lse ? lse + it.q_begin * shape.q_heads : nullptr;
-    float* scratch = ws.scratch.data() + i * per_item;
+    float* scratch = scratch_base + i * per_item;
     const float* qi = q + it.q_begin * row;
     float* oi = out + it.q_begin * row;
     switch (D) {
