@@ -21,6 +21,9 @@
 
 namespace kvattn {
 
+/// The hardware threads of this machine (at least 1).
+inline int hardware_threads() noexcept { return static_cast<int>(std::max(1u, std::thread::hardware_concurrency())); }
+
 /// Runs every item on the calling thread, in order.
 struct SerialFor {
   template <class Body> void operator()(std::int64_t n, Body&& body) const {
@@ -33,7 +36,7 @@ struct SerialFor {
 class ThreadPool {
  public:
   /// `threads` workers in all, the calling thread included (so threads - 1 are started).
-  explicit ThreadPool(int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))) {
+  explicit ThreadPool(int threads = hardware_threads()) {
     if (threads < 1) raise<invalid_argument>(detail::concat("ThreadPool: threads=", threads, ": must be positive"));
     workers_.reserve(static_cast<std::size_t>(threads - 1));
     for (int i = 0; i < threads - 1; ++i) workers_.emplace_back([this] { work(); });

@@ -53,7 +53,7 @@ struct PrefillWorkspace {
     std::int64_t q_begin, q_end;  ///< rows of q (global token index)
   };
   std::vector<Item> items;
-  std::vector<float> scratch;  ///< per item: packed queries, a tile's keys and values, probabilities, stats
+  std::vector<float> scratch;  ///< per lane: packed queries, a tile's keys and values, probabilities, stats
   std::vector<float> rotated_q;  ///< with PrefillParams::rope: [total][q_heads][head_dim] the queries, rotated
   std::vector<float> rotated_k;  ///< with PrefillParams::rope: [total][kv_heads][head_dim] the keys, rotated
   std::vector<std::int64_t> positions;  ///< with PrefillParams::rope: [total] each chunk token's position
@@ -66,6 +66,9 @@ inline constexpr int kTile = 32;  // keys per tile: each output row is loaded, r
 inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
 
 inline constexpr std::int64_t kLineFloats = kAlignment / sizeof(float);
+/// Lanes of work items per hardware thread (see prefill()): enough that a parallel-for handing
+/// out lanes one at a time still balances them over its threads.
+inline constexpr int kLanesPerThread = 8;
 
 /// An item's scratch: where each region starts, in floats from the item's start, which is on a
 /// cache line, as every region's is (a vector load that straddles two lines costs two: on
@@ -363,29 +366,34 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   const int group = shape.group_size(), D = shape.head_dim;
   const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(D));
   // Items from the last query block of each sequence to the first: the later a block, the more
-  // keys it sees, and a parallel-for that hands out items in order then ends on the cheap ones.
+  // keys it sees, and each lane below then ends on its cheap items.
   ws.items.clear();
   for (int b = 0; b < batch; ++b)
     for (std::int64_t n = q_indptr[b + 1] - q_indptr[b], t = q_indptr[b] + (n - 1) / p.query_block * p.query_block;
          n > 0 && t >= q_indptr[b]; t -= p.query_block)
       for (int h = 0; h < shape.kv_heads; ++h)
         ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + p.query_block)});
-  // Every item's scratch starts on a cache line (per_item is a whole number of them).
-  const std::int64_t per_item = prefill_impl::ScratchLayout::of<Isa>(group * p.query_block, D).floats;
-  const std::size_t scratch_floats = static_cast<std::size_t>(per_item) * ws.items.size() + prefill_impl::kLineFloats;
+  // The items are dealt round-robin into lanes, a few per hardware thread; the parallel-for runs
+  // the lanes, and a lane runs its items one after another in a scratch of its own. The scratch
+  // thus grows with the machine, not with the prompt, and stays warm from item to item; and as
+  // consecutive items (the KV heads of one query block) cost the same, the lanes do too. Every
+  // lane's scratch starts on a cache line (per_lane is a whole number of them).
+  const std::int64_t n_items = static_cast<std::int64_t>(ws.items.size());
+  const std::int64_t lanes = std::min<std::int64_t>(n_items, std::int64_t{prefill_impl::kLanesPerThread} * hardware_threads());
+  const std::int64_t per_lane = prefill_impl::ScratchLayout::of<Isa>(group * p.query_block, D).floats;
+  const std::size_t scratch_floats = static_cast<std::size_t>(per_lane * lanes + prefill_impl::kLineFloats);
   if (ws.scratch.size() < scratch_floats) ws.scratch.resize(scratch_floats);
   float* const scratch_base = detail::align_to_line(ws.scratch.data());
 
   const BatchPageTable table = cache.page_table(seqs);
   const PagedKvView<T> kv = cache.view(table, layer);
   const std::int64_t row = std::int64_t{shape.q_heads} * D;
-  const auto run_item = [&](std::int64_t i) {
+  const auto run_item = [&](std::int64_t i, float* scratch) {
     const PrefillWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
     const std::int64_t chunk_first = kv.length(it.seq) - (q_indptr[it.seq + 1] - q_indptr[it.seq]);
     const std::int64_t first_pos = chunk_first + (it.q_begin - q_indptr[it.seq]);
     const int tokens = static_cast<int>(it.q_end - it.q_begin);
     float* l = lse ? lse + it.q_begin * shape.q_heads : nullptr;
-    float* scratch = scratch_base + i * per_item;
     const float* qi = q + it.q_begin * row;
     float* oi = out + it.q_begin * row;
     switch (D) {
@@ -395,7 +403,9 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
       default: prefill_impl::prefill_item<Isa, 0, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
     }
   };
-  pf(static_cast<std::int64_t>(ws.items.size()), run_item);
+  pf(lanes, [&](std::int64_t lane) {
+    for (std::int64_t i = lane; i < n_items; i += lanes) run_item(i, scratch_base + lane * per_lane);
+  });
 }
 
 KVATTN_END_TARGET_NAMESPACE
