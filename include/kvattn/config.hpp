@@ -103,11 +103,15 @@
 #else
 #define KVATTN_UNROLL
 #endif
+/// KVATTN_NOINLINE keeps a register-blocked inner kernel a function of its own, so that its
+/// accumulators get the vector registers rather than whatever its caller keeps live.
 #if defined(__GNUC__) || defined(__clang__)
 #define KVATTN_ALWAYS_INLINE inline __attribute__((always_inline))
+#define KVATTN_NOINLINE __attribute__((noinline))
 #define KVATTN_RESTRICT __restrict__
 #else
 #define KVATTN_ALWAYS_INLINE inline
+#define KVATTN_NOINLINE
 #define KVATTN_RESTRICT
 #endif
 

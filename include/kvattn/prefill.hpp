@@ -110,8 +110,11 @@ struct ScratchLayout {
 /// serves NB blocks, and the kScoreRegs accumulators fill the registers: one load per NB fused
 /// multiply-adds.
 ///   qb  [NB][dim][W]  queries, rows in lanes     kf  [kTile][dim]     sc  [NB][kTile][W]
+// (tile_scores and tile_values are not inlined: on their own, their accumulators get the vector
+// registers, where inside the item the compiler was seen to spill the queries to the stack.)
 template <class Isa, int D, int NB>
-KVATTN_ALWAYS_INLINE void tile_scores(const float* qb, const float* kf, int dim, float* sc) noexcept {
+KVATTN_NOINLINE void tile_scores(const float* KVATTN_RESTRICT qb, const float* KVATTN_RESTRICT kf, int dim,
+                                 float* KVATTN_RESTRICT sc) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, H = kScoreRegs / NB;  // keys per pass
   static_assert(kTile % H == 0);
@@ -130,6 +133,49 @@ KVATTN_ALWAYS_INLINE void tile_scores(const float* qb, const float* kf, int dim,
     }
     KVATTN_UNROLL for (int j = 0; j < NB; ++j)
       KVATTN_UNROLL for (int t = 0; t < H; ++t) acc[j][t].store(sc + (j * kTile + h0 + t) * W);
+  }
+}
+
+/// o_r = α_r · o_r + Σ_t p[t][r] · v_t for one block of W rows (padding rows included: they are
+/// scratch, never read), R rows × 2 vectors of columns in registers at once: 2R independent
+/// accumulators cover the fused multiply-add latency.
+///   pr  [kTile][W]  probabilities, rows in lanes     alpha [W]     vf [kTile][dim]     o [W][dim]
+template <class Isa, int D>
+KVATTN_NOINLINE void tile_values(const float* KVATTN_RESTRICT pr, const float* KVATTN_RESTRICT alpha,
+                                 const float* KVATTN_RESTRICT vf, int dim, float* KVATTN_RESTRICT o) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes;
+  constexpr int R = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
+  if constexpr (D > 0) dim = D;
+  for (int l0 = 0; l0 < W; l0 += R, o += std::int64_t{R} * dim) {
+    const float* prl = pr + l0;
+    int c = 0;
+    for (; c + 2 * W <= dim; c += 2 * W) {
+      Vec acc[R][2];
+      KVATTN_UNROLL for (int j = 0; j < R; ++j) {
+        const Vec al = Vec::set1(alpha[l0 + j]);
+        acc[j][0] = Vec::load(o + j * dim + c) * al;
+        acc[j][1] = Vec::load(o + j * dim + c + W) * al;
+      }
+      for (int t = 0; t < kTile; ++t) {
+        const Vec v0 = Vec::load(vf + t * dim + c), v1 = Vec::load(vf + t * dim + c + W);
+        KVATTN_UNROLL for (int j = 0; j < R; ++j) {
+          const Vec pj = Vec::set1(prl[t * W + j]);
+          acc[j][0] = fma(pj, v0, acc[j][0]);
+          acc[j][1] = fma(pj, v1, acc[j][1]);
+        }
+      }
+      KVATTN_UNROLL for (int j = 0; j < R; ++j) {
+        acc[j][0].store(o + j * dim + c);
+        acc[j][1].store(o + j * dim + c + W);
+      }
+    }
+    for (int j = 0; j < R; ++j)  // columns left over (head sizes not a multiple of 2 · W)
+      for (int cc = c; cc < dim; ++cc) {
+        float a = o[j * dim + cc] * alpha[l0 + j];
+        for (int t = 0; t < kTile; ++t) a += prl[t * W + j] * vf[t * dim + cc];
+        o[j * dim + cc] = a;
+      }
   }
 }
 
@@ -154,7 +200,6 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
   float* drow = scratch + layout.drow;        // [blocks · W]
   float* sc = scratch + layout.sc;            // [2][kTile][W] scores of two blocks
   float* acc_out = scratch + layout.acc_out;  // [blocks · W][dim]
-  constexpr int kPvRows = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
   const auto q_of = [&](int r) { return q + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
   // Outputs accumulate in scratch, rows dim apart, and reach `out` (rows q_heads · dim apart,
   // a multiple of 4 KiB for the common shapes: they would share cache sets) once, normalized.
@@ -251,40 +296,7 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
       }
       fma(Vec::load(drow + r0), a, sum[0] + sum[1]).store(drow + r0);
       m_new.store(mrow + r0);
-      // o_r = α_r · o_r + Σ_t p[t][r] · v_t for the block's W rows (padding rows included: they
-      // are scratch, never read), R rows × 2 vectors of columns in registers at once: 2R
-      // independent accumulators cover the fused multiply-add latency.
-      for (int l0 = 0; l0 < W; l0 += kPvRows) {
-        float* o = o_of(r0 + l0);
-        const float* prl = pr + l0;
-        int c = 0;
-        for (; c + 2 * W <= dim; c += 2 * W) {
-          Vec acc[kPvRows][2];
-          KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
-            const Vec al = Vec::set1(alpha[l0 + j]);
-            acc[j][0] = Vec::load(o + j * dim + c) * al;
-            acc[j][1] = Vec::load(o + j * dim + c + W) * al;
-          }
-          for (int t = 0; t < kTile; ++t) {
-            const Vec v0 = Vec::load(vf + t * dim + c), v1 = Vec::load(vf + t * dim + c + W);
-            KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
-              const Vec pj = Vec::set1(prl[t * W + j]);
-              acc[j][0] = fma(pj, v0, acc[j][0]);
-              acc[j][1] = fma(pj, v1, acc[j][1]);
-            }
-          }
-          KVATTN_UNROLL for (int j = 0; j < kPvRows; ++j) {
-            acc[j][0].store(o + j * dim + c);
-            acc[j][1].store(o + j * dim + c + W);
-          }
-        }
-        for (int j = 0; j < kPvRows; ++j)  // columns left over (head sizes not a multiple of 2 · W)
-          for (int cc = c; cc < dim; ++cc) {
-            float a = o[j * dim + cc] * alpha[l0 + j];
-            for (int t = 0; t < kTile; ++t) a += prl[t * W + j] * vf[t * dim + cc];
-            o[j * dim + cc] = a;
-          }
-      }
+      tile_values<Isa, D>(pr, alpha, vf, dim, o_of(r0));
     }
   }
   for (int r = 0; r < rows; ++r) {  // normalize into out, and the log-sum-exp
