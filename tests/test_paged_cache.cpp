@@ -1191,6 +1191,68 @@ TYPED_TEST(PagedCache, CopyOnWriteIsRejectedWhenThePoolIsFull) {
     }
 }
 
+TYPED_TEST(PagedCache, BatchMakeWritableIsAllOrNothingAndCountsCopiesExactly) {
+  using kvattn::TokenRange;
+  for (const AttentionShape& shape : kShapes)
+    for (int P : kPageSizes) {
+      SCOPED_TRACE(describe(shape, P));
+      Cache<TypeParam> c(config(shape, P, 8));
+      const SeqId a = c.add_sequence();
+      c.append(a, 2 * P);
+      const Ids a_ids = id_range(1, 2 * P);
+      write_all_layers(c, a, 0, a_ids);
+      const SeqId b = c.fork(a);  // shares a's 2 pages
+      const SeqId x = c.add_sequence();
+      c.append(x, P);
+      const Ids x_ids = id_range(500, P);
+      write_all_layers(c, x, 0, x_ids);
+      const SeqId y = c.fork(x);  // shares x's page
+      const SeqId filler = c.add_sequence();
+      c.append(filler, 3 * P);
+      ASSERT_EQ(c.free_pages(), 2);
+      const std::vector<PageId> shared = c.pages(a);
+
+      // a's 2 pages and x's page: 3 copies, 2 free pages: nothing is copied, not even a's.
+      EXPECT_TRUE(rejects<kvattn::capacity_error>(c, [&] { c.make_writable({{a, 0, 2 * P}, {x, 0, P}}); },
+                                                  {"make_writable", "2 ranges need 3 copies", "the pool has 2 free"}));
+      EXPECT_TRUE(rejects<kvattn::invalid_argument>(c, [&] { c.make_writable({{a, 0, P}, {b, 0, 1}, {a, P, 1}}); },
+                                                    {"make_writable", "sequence " + std::to_string(a) + " appears more than once"}));
+      EXPECT_TRUE(rejects<kvattn::invalid_argument>(c, [&] { c.make_writable({{x, 0, P}, {a, 0, 2 * P + 1}}); },
+                                                    {seq_is("make_writable", a), "count=" + std::to_string(2 * P + 1),
+                                                     "holds " + std::to_string(2 * P) + " tokens"}));
+      EXPECT_TRUE(rejects<kvattn::invalid_argument>(c, [&] { c.make_writable({{x, 0, P}, {b, 0, -1}}); },
+                                                    {seq_is("make_writable", b), "count=-1"}));
+      EXPECT_TRUE(rejects<kvattn::invalid_argument>(c, [&] { c.make_writable({{x, 0, P}, {filler + 100, 0, 0}}); },
+                                                    {std::to_string(filler + 100)}));
+      // Empty ranges only check their sequence.
+      const Snapshot before = snapshot(c);
+      c.make_writable({{x, 0, 0}, {y, 0, 0}});
+      c.make_writable({});
+      EXPECT_TRUE(same_state(before, snapshot(c)));
+
+      // a and b both write both shared pages: one copy per page (the second writer keeps the
+      // original), so 2 free pages are enough.
+      c.make_writable({{b, 0, 2 * P}, {a, 0, 2 * P}});
+      EXPECT_EQ(c.free_pages(), 0);
+      const std::vector<PageId> pa = c.pages(a), pb = c.pages(b);
+      for (std::size_t i = 0; i < 2; ++i) {
+        EXPECT_NE(pa[i], pb[i]);
+        EXPECT_EQ(c.page_refcount(pa[i]), 1);
+        EXPECT_EQ(c.page_refcount(pb[i]), 1);
+      }
+      EXPECT_TRUE(reads_all(c, a, a_ids));
+      EXPECT_TRUE(reads_all(c, b, a_ids));
+      // Their pages are private now: writing them copies nothing, and each sees only its own.
+      write_all_layers(c, a, 0, id_range(900, 2 * P));
+      write_all_layers(c, b, 0, id_range(950, 2 * P));
+      EXPECT_TRUE(reads_all(c, a, id_range(900, 2 * P)));
+      EXPECT_TRUE(reads_all(c, b, id_range(950, 2 * P)));
+      EXPECT_TRUE(reads_all(c, y, x_ids));
+      EXPECT_EQ(c.free_pages(), 0);
+      EXPECT_NO_THROW(c.check_invariants());
+    }
+}
+
 TYPED_TEST(PagedCache, TruncationPastTheEndOrBelowZeroIsRejected) {
   Cache<TypeParam> c(config(kMla, 3, 4));
   const SeqId s = c.add_sequence();

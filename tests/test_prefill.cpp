@@ -12,12 +12,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "attention_checks.hpp"
+#include "cache_snapshot.hpp"
 #include "reference.hpp"
 
 namespace {
@@ -184,6 +186,49 @@ TEST(PrefillErrors, InconsistentArgumentsLeaveTheCacheAlone) {
     cache.read(seq, 0, t, k.data(), v.data());
     for (float x : k) ASSERT_EQ(x, 0.0f);
   }
+}
+
+// A batch is one request: when the pool cannot hold the copy-on-write copies of every chunk's
+// shared pages, nothing is written, not even the chunks of the sequences that could be copied.
+TEST(PrefillErrors, ABatchThatCannotCopyItsSharedPagesChangesNothing) {
+  const GqaShape s = GqaShape::gqa(4, 2, 64);
+  kvattn::PagedKvCache<float> cache(kvattn::CacheConfig{2, 16, 7, s});
+  const auto a = cache.add_sequence();
+  cache.append(a, 20);  // 2 pages
+  const auto a_beam = cache.fork(a);
+  const auto c = cache.add_sequence();
+  cache.append(c, 20);
+  const auto c_beam = cache.fork(c);
+  ASSERT_EQ(cache.free_pages(), 3);  // the chunks of a and c need 4 copies
+  std::mt19937 rng(3);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> q(40 * 4 * 64), k(40 * 2 * 64), v(k.size()), out(q.size());
+  for (auto* x : {&q, &k, &v})
+    for (float& e : *x) e = dist(rng);
+  kvattn::PrefillWorkspace ws;
+  const std::int64_t both[3] = {0, 20, 40};
+  const auto before = cache_snapshot::snapshot(cache);
+  EXPECT_THROW(kvattn::prefill(cache, 1, {a, c}, both, s, q.data(), k.data(), v.data(), out.data(), nullptr, {}, ws),
+               kvattn::capacity_error);
+  EXPECT_TRUE(cache_snapshot::same_state(before, cache_snapshot::snapshot(cache)));
+  EXPECT_THROW(kvattn::prefill(cache, 1, {a, a}, both, s, q.data(), k.data(), v.data(), out.data(), nullptr, {}, ws),
+               kvattn::invalid_argument);
+  EXPECT_TRUE(cache_snapshot::same_state(before, cache_snapshot::snapshot(cache)));
+
+  // Without c's beam, c's pages are its own: a's 2 copies fit, and the batch is written.
+  cache.remove(c_beam);
+  kvattn::prefill(cache, 1, {a, c}, both, s, q.data(), k.data(), v.data(), out.data(), nullptr, {}, ws);
+  EXPECT_EQ(cache.free_pages(), 1);
+  std::vector<float> kr(2 * 64), vr(kr.size());
+  for (std::int64_t t = 0; t < 20; ++t) {
+    cache.read(a, 1, t, kr.data(), vr.data());
+    EXPECT_TRUE(std::equal(kr.begin(), kr.end(), k.begin() + t * 2 * 64)) << "a, token " << t;
+    cache.read(c, 1, t, kr.data(), vr.data());
+    EXPECT_TRUE(std::equal(vr.begin(), vr.end(), v.begin() + (20 + t) * 2 * 64)) << "c, token " << t;
+    cache.read(a_beam, 1, t, kr.data(), vr.data());  // the beam keeps what it shared: zeros
+    EXPECT_TRUE(std::all_of(kr.begin(), kr.end(), [](float x) { return x == 0.0f; })) << "a's beam, token " << t;
+  }
+  EXPECT_NO_THROW(cache.check_invariants());
 }
 
 }  // namespace

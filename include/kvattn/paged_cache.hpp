@@ -27,7 +27,9 @@
 // Every mutation is all-or-nothing: a request that cannot be met (pool exhausted, unknown or
 // removed sequence, truncation past the end, a size of zero or less, a layer out of range)
 // throws before anything changes (kvattn::invalid_argument or kvattn::capacity_error, with the
-// values in the message), and the cache is exactly as it was.
+// values in the message), and the cache is exactly as it was. A writer of several sequences at
+// once (a batched prefill) makes their pages writable in one request first (make_writable of
+// TokenRanges), so that the batch, too, fails whole or succeeds whole.
 //
 // Thread safety: mutations (add_sequence, append, fork, truncate, remove, write*) from one
 // thread at a time; any number of threads may read (read*, views, page tables, stats) and run
@@ -70,6 +72,13 @@ struct Slot {
   std::int32_t offset = 0;
   friend constexpr bool operator==(Slot a, Slot b) noexcept { return a.page == b.page && a.offset == b.offset; }
   friend constexpr bool operator!=(Slot a, Slot b) noexcept { return !(a == b); }
+};
+
+/// Tokens [first, first + count) of one sequence: what a batched writer (prefill) is about to write.
+struct TokenRange {
+  SeqId seq = 0;
+  std::int64_t first = 0;
+  std::int64_t count = 0;  ///< 0: nothing to write (the sequence must still exist)
 };
 
 /// Element offsets within one page of one layer. The same for every page and layer.
@@ -306,6 +315,45 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// change.
   void make_writable(SeqId seq, std::int64_t first, std::int64_t count) {
     make_pages_private(get(seq, "make_writable"), seq, first, count, "make_writable");
+  }
+
+  /// make_writable for the ranges of several sequences at once, all or nothing across them: every
+  /// range is checked and the copies they need are counted before any is made, so a batched
+  /// writer (prefill) cannot fail on a later sequence after changing an earlier one. A page that
+  /// w of the ranges write and r sequences hold needs min(w, r - 1) copies (the last holder left
+  /// may write it in place). A sequence may appear once; ranges of count 0 are only checked.
+  /// Throws invalid_argument (unknown or repeated sequence, range outside it) or capacity_error.
+  void make_writable(const std::vector<TokenRange>& ranges) {
+    const std::int64_t P = config_.page_size;
+    std::vector<SeqId> ids;
+    std::vector<PageId> written;  // each range's pages, once per range
+    ids.reserve(ranges.size());
+    for (const TokenRange& r : ranges) {
+      const Sequence& s = get(r.seq, "make_writable");
+      ids.push_back(r.seq);
+      if (r.count == 0) continue;
+      check_position(r.seq, s, r.first, r.count, "make_writable");
+      for (std::int64_t i = r.first / P; i <= (r.first + r.count - 1) / P; ++i) written.push_back(s.pages[static_cast<std::size_t>(i)]);
+    }
+    std::sort(ids.begin(), ids.end());
+    if (const auto twice = std::adjacent_find(ids.begin(), ids.end()); twice != ids.end())
+      raise<invalid_argument>(detail::concat("make_writable: sequence ", *twice, " appears more than once among the ", ranges.size(),
+                                             " ranges"));
+    std::sort(written.begin(), written.end());
+    std::int64_t copies = 0;
+    for (std::size_t i = 0, j = 0; i < written.size(); i = j) {
+      while (j < written.size() && written[j] == written[i]) ++j;
+      copies += std::min<std::int64_t>(static_cast<std::int64_t>(j - i), refcount_[page_index(written[i])] - 1);
+    }
+    if (copies > free_pages())
+      raise<capacity_error>(detail::concat("make_writable: the ", ranges.size(), " ranges need ", copies, " copies of shared pages, the pool has ",
+                                           free_pages(), " free"));
+    for (const TokenRange& r : ranges) {  // cannot fail now: every copy has its page
+      if (r.count == 0) continue;
+      Sequence& s = seqs_.at(r.seq);
+      for (std::int64_t i = r.first / P; i <= (r.first + r.count - 1) / P; ++i)
+        if (refcount_[page_index(s.pages[static_cast<std::size_t>(i)])] > 1) make_private(s, i);
+    }
   }
 
   /// Where token `position` of `seq` is (read-only: a write through it would bypass copy-on-write).

@@ -311,7 +311,11 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
 
 }  // namespace prefill_impl
 
-/// Chunked causal prefill for one layer of a batch; see the top of this file for shapes.
+/// Chunked causal prefill for one layer of a batch; see the top of this file for shapes. Each
+/// sequence appears once in `seqs`. All or nothing: every argument is checked and the shared
+/// pages of every chunk are copied (copy-on-write, PagedKvCache::make_writable) before any key
+/// or value is written; a pool too small for those copies throws capacity_error with the cache
+/// unchanged.
 template <class V = Plain, class Isa = isa::native, class T, class M, class PF = SerialFor>
 void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seqs, const std::int64_t* q_indptr,
              const GqaShape& shape, const float* q, const float* k, const float* v, float* out, float* lse,
@@ -332,6 +336,18 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   }
   if (layer < 0 || layer >= cache.config().layers)
     raise<invalid_argument>(detail::concat("prefill: layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+  // Every chunk's pages are made private (copy-on-write) before anything is written, for the
+  // whole batch at once: a pool too small for the copies of a later sequence fails the call
+  // before an earlier sequence has changed (the writes below then copy nothing and cannot fail).
+  {
+    std::vector<TokenRange> ranges(static_cast<std::size_t>(batch));
+    for (int b = 0; b < batch; ++b) {
+      const SeqId s = seqs[static_cast<std::size_t>(b)];
+      const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
+      ranges[static_cast<std::size_t>(b)] = {s, cache.length(s) - n, n};
+    }
+    cache.make_writable(ranges);
+  }
 
   // With RoPE, copies of the chunk's queries and keys are rotated at their positions (q and k are
   // only read), blocks of tokens in parallel; everything below reads the copies.
@@ -366,7 +382,7 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
     k = ws.rotated_k.data();
   }
 
-  // The chunk's keys and values go into the cache first (copy-on-write applies as in write()).
+  // The chunk's keys and values go into the cache first.
   for (int b = 0; b < batch; ++b) {
     const SeqId s = seqs[static_cast<std::size_t>(b)];
     const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
