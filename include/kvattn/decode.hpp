@@ -106,8 +106,8 @@ struct DecodeWorkspace {
   /// `floats` floats of `partial` starting on a cache line (grown as needed): every row an item
   /// works on can then start on one (a vector load that straddles two lines costs two).
   float* aligned_partial(std::int64_t floats) {
-    constexpr std::size_t line = 64 / sizeof(float);
-    if (partial.size() < static_cast<std::size_t>(floats) + line) partial.resize(static_cast<std::size_t>(floats) + line);
+    const std::size_t n = static_cast<std::size_t>(floats + detail::kLineFloats);
+    if (partial.size() < n) partial.resize(n);
     return detail::align_to_line(partial.data());
   }
 
@@ -146,7 +146,7 @@ inline constexpr int kDecodeTile = 32;
 template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
 /// Floats of one row of an item's partial result: the output [dim] and {m, d}, rounded up to
 /// whole cache lines so that every row starts on one.
-constexpr std::int64_t partial_row_floats(int dim) { return (std::int64_t{dim} + 2 + 15) / 16 * 16; }
+constexpr std::int64_t partial_row_floats(int dim) { return detail::whole_lines(std::int64_t{dim} + 2); }
 /// Tokens of a span (see Span).
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head
@@ -555,7 +555,7 @@ void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, flo
   // measured 2-3% slower at batch 1, two threads). Per item: the partial outputs
   // [kv_heads][rows][row_floats], then its queries [kv_heads][rows][D], rounded up to a cache line.
   const std::int64_t row_floats = decode_impl::partial_row_floats(D);
-  const std::int64_t item_floats = (std::int64_t{shape.kv_heads} * rows * (row_floats + D) + 15) / 16 * 16;
+  const std::int64_t item_floats = detail::whole_lines(std::int64_t{shape.kv_heads} * rows * (row_floats + D));
   float* const base = ws.plan(kv, p.chunk_tokens, 8 * std::int64_t{p.threads}, decode_impl::kDecodeSpan, 256, item_floats);
 
   const auto run_item = [&](std::int64_t i) {

@@ -33,6 +33,11 @@ template <class T> T* align_to_line(T* p) noexcept {
   const std::size_t past = reinterpret_cast<std::uintptr_t>(p) % kAlignment / sizeof(T);
   return p + (past == 0 ? 0 : kAlignment / sizeof(T) - past);
 }
+/// Floats in a cache line, and a count of floats rounded up to whole lines: kernels lay their
+/// scratch rows out so that every row starts on a line (a vector load that straddles two lines
+/// costs two).
+inline constexpr int kLineFloats = static_cast<int>(kAlignment / sizeof(float));
+constexpr std::int64_t whole_lines(std::int64_t floats) noexcept { return (floats + kLineFloats - 1) / kLineFloats * kLineFloats; }
 }  // namespace detail
 
 /// Aligned host memory, zero-filled.

@@ -73,9 +73,7 @@ inline constexpr int kScoreGroup = 8;
 inline constexpr int kRowPad = 8;
 
 constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-/// Floats in a cache line: every row an item works on starts on one (a vector load that
-/// straddles two lines costs two).
-inline constexpr int kLineFloats = 16;
+using detail::kLineFloats;  // every row an item works on starts on a cache line
 
 /// Widths of one item's arrays, in floats.
 template <class Isa> struct Dims {

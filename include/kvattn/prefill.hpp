@@ -65,7 +65,6 @@ namespace prefill_impl {
 inline constexpr int kTile = 32;  // keys per tile: each output row is loaded, rescaled and stored once per tile
 inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
 
-inline constexpr std::int64_t kLineFloats = kAlignment / sizeof(float);
 /// Lanes of work items per hardware thread (see prefill()): enough that a parallel-for handing
 /// out lanes one at a time still balances them over its threads.
 inline constexpr int kLanesPerThread = 8;
@@ -88,7 +87,7 @@ struct ScratchLayout {
     std::int64_t at = 0;
     const auto take = [&at](std::int64_t n) {
       const std::int64_t start = at;
-      at += (n + kLineFloats - 1) / kLineFloats * kLineFloats;
+      at += detail::whole_lines(n);
       return start;
     };
     ScratchLayout l{};
@@ -409,7 +408,7 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   const std::int64_t n_items = static_cast<std::int64_t>(ws.items.size());
   const std::int64_t lanes = std::min<std::int64_t>(n_items, std::int64_t{prefill_impl::kLanesPerThread} * hardware_threads());
   const std::int64_t per_lane = prefill_impl::ScratchLayout::of<Isa>(group * p.query_block, D).floats;
-  const std::size_t scratch_floats = static_cast<std::size_t>(per_lane * lanes + prefill_impl::kLineFloats);
+  const std::size_t scratch_floats = static_cast<std::size_t>(per_lane * lanes + detail::kLineFloats);
   if (ws.scratch.size() < scratch_floats) ws.scratch.resize(scratch_floats);
   float* const scratch_base = detail::align_to_line(ws.scratch.data());
 
