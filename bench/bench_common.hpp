@@ -27,6 +27,7 @@
 #include <kvattn/parallel.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -37,6 +38,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #if defined(__unix__) || defined(__APPLE__)
 #include <unistd.h>
@@ -291,6 +293,39 @@ inline void bm_fma_peak_f32(benchmark::State& state) {
 }
 
 }  // namespace detail
+
+/// The streaming read bandwidth of `threads` threads now, in bytes per second: the best of
+/// `passes` passes over the bandwidth buffer, each thread summing its own slice as
+/// machine/read_bandwidth does. A memory-bound benchmark calls it right after its timing loop,
+/// so that its fraction of the limit compares two rates measured at the same moment: on a
+/// shared machine the bandwidth left to this program drifts by tens of percent within a run.
+/// Throws std::bad_alloc if the buffer cannot be had.
+inline double read_bandwidth_now(int threads, int passes = 2) {
+  const std::byte* buffer = detail::read_buffer();
+  const std::size_t slice = read_buffer_bytes() / static_cast<std::size_t>(threads) / 256 * 256;
+  double best = 0.0;
+  for (int pass = 0; pass < passes; ++pass)
+    with_parallel_for(threads, [&](auto&& pf) {
+      std::vector<std::uint64_t> sums(static_cast<std::size_t>(threads));
+      const auto start = std::chrono::steady_clock::now();
+      pf(threads, [&](std::int64_t i) {
+        const std::byte* begin = buffer + static_cast<std::size_t>(i) * slice;
+        sums[static_cast<std::size_t>(i)] = detail::read_pass(begin, begin + slice);
+      });
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      benchmark::DoNotOptimize(sums.data());
+      best = std::max(best, static_cast<double>(slice) * threads / seconds);
+    });
+  return best;
+}
+
+/// Sets the counters read_bw (read_bandwidth_now(threads), bytes per second) and of_read_bw
+/// (`bytes_per_second` of the benchmark over it) after a memory-bound benchmark's timing loop.
+inline void report_read_fraction(benchmark::State& state, double bytes_per_second, int threads) {
+  const double limit = read_bandwidth_now(threads);
+  state.counters["read_bw"] = benchmark::Counter(limit, benchmark::Counter::kDefaults, benchmark::Counter::kIs1024);
+  state.counters["of_read_bw"] = limit > 0 ? bytes_per_second / limit : 0.0;
+}
 
 /// Registers the machine/ benchmarks in this program, after those registered so far (so they
 /// run last). Idempotent. KVATTN_BENCHMARK_MAIN() calls it.

@@ -17,6 +17,13 @@
 //   decode must read, the same count for both implementations, so their ratio is direct and each
 //   compares with machine/read_bandwidth (printed at the end of the same run; the N-thread figure
 //   of one is the ceiling of the other). Every benchmark runs in wall time.
+//   read_bw, of_read_bw: the N-thread read bandwidth measured again right after this
+//   configuration's timing loop (bench_common.hpp, read_bandwidth_now: the best of two passes
+//   over the machine/read_bandwidth buffer), and this configuration's bytes per second over it.
+//   On a shared machine the bandwidth left to this program drifts within one run (25-53 GiB/s
+//   with 2 threads, seconds apart, seen on the 2-core machine this was written on), so of_read_bw,
+//   two rates taken at the same moment, is the fraction to read; the end-of-run limit is the
+//   program's summary.
 //
 // Configurations: C in {1K, 4K, 16K, 64K} x B in {1, 16} x N in {1, 2}, for kvattn every one
 // whose K/V fits kMaxCacheBytes (4 GiB), for the baseline every one that fits kEigenMaxBytes
@@ -67,6 +74,7 @@
 #include <Eigen/Core>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -236,13 +244,16 @@ template <class T> void bm_kvattn(benchmark::State& state, GqaShape shape) {
   params.threads = s.threads;
   kvattn::DecodeWorkspace ws;
   std::size_t step = 0;
+  const auto start = std::chrono::steady_clock::now();
   with_parallel_for(s.threads, [&](auto&& pf) {
     for (auto _ : state) {
       kvattn::decode(s.view(step++), shape, s.q.data(), s.out.data(), lse.data(), params, ws, pf);
       benchmark::ClobberMemory();
     }
   });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   kvattn::bench::report_bytes(state, s.bytes);
+  kvattn::bench::report_read_fraction(state, static_cast<double>(state.iterations()) * static_cast<double>(s.bytes) / seconds, s.threads);
   state.SetLabel(s.label("kvattn " + std::string(kvattn::isa::native::name)));
 }
 
@@ -308,13 +319,16 @@ template <class T> void bm_eigen(benchmark::State& state, GqaShape shape) {
   std::vector<EigenScratch> scratch(static_cast<std::size_t>(s.threads));
   for (EigenScratch& e : scratch) e.reserve(s.ctx, shape.head_dim);
   std::size_t step = 0;
+  const auto start = std::chrono::steady_clock::now();
   with_parallel_for(s.threads, [&](auto&& pf) {
     for (auto _ : state) {
       eigen_decode(s.view(step++), shape, s.q.data(), s.out.data(), scratch, pf);
       benchmark::ClobberMemory();
     }
   });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   kvattn::bench::report_bytes(state, s.bytes);
+  kvattn::bench::report_read_fraction(state, static_cast<double>(state.iterations()) * static_cast<double>(s.bytes) / seconds, s.threads);
 
   // Once per configuration (untimed): the last step's output against kvattn::decode's.
   static std::map<std::string, double> checked;  // configuration -> max |eigen - kvattn|
