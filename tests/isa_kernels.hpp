@@ -1,9 +1,9 @@
 // tests/isa_kernels.hpp — kvattn's kernels compiled for one x86-64 instruction set each, for a
 // test program built for the x86-64 baseline that calls them only where the CPU has that set.
 //
-// Declarations only. isa_kernels_impl.hpp defines them; isa_kernels_avx2.cpp (-march=x86-64-v3)
-// and isa_kernels_avx512.cpp (-march=x86-64-v4) include it and instantiate it for their tag and
-// every storage type. The test program holds no other copy of these functions, so none of their
+// Declarations only. isa_kernels_impl.hpp defines them; isa_kernels_avx2*.cpp (-march=x86-64-v3)
+// and isa_kernels_avx512*.cpp (-march=x86-64-v4) include it and instantiate it for their tag,
+// a storage type per file. The test program holds no other copy of these functions, so none of their
 // machine code runs before it has asked the CPU.
 //
 // The callers own everything that is not a kernel (caches, thread pools, buffers): those are

@@ -1,6 +1,6 @@
 // tests/isa_kernels_impl.hpp — the definitions of isa_kernels.hpp. Included only by the
-// translation units that instantiate them for one instruction set (isa_kernels_avx2.cpp,
-// isa_kernels_avx512.cpp); see isa_kernels.hpp for why nothing else may include it.
+// translation units that instantiate them for one instruction set (isa_kernels_avx2*.cpp,
+// isa_kernels_avx512*.cpp); see isa_kernels.hpp for why nothing else may include it.
 #pragma once
 
 #include "isa_kernels.hpp"

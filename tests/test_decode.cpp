@@ -1,8 +1,10 @@
 // Decode attention against the double-precision reference, over a matrix of shapes: group sizes
 // 1, 2, 3, 4, 8 and groups = heads; head sizes 64, 128, 256 and odd ones; page sizes 1, 7, 16,
 // 64; contexts 0, 1, page size ± 1 and thousands; mixed batches; 1 and 3 queries per sequence;
-// sliding window and soft-cap; fp32, fp16 and bf16 storage; the scalar path and the native SIMD
-// path in the same binary; serial and threaded, with and without split-KV.
+// fp32, fp16 and bf16 storage; the scalar path and the native SIMD path in the same binary;
+// serial and threaded, with and without split-KV. The sliding window and the soft-cap, each a
+// compile-time variant, are tested in files of their own (test_decode_window.cpp,
+// test_decode_soft_cap.cpp, test_decode_window_soft_cap.cpp; see decode_check.hpp).
 //
 // Bound, element-wise, the same for every storage type (the reference reads the same rounded
 // keys and values): |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref| and
@@ -17,47 +19,23 @@
 #include <string>
 #include <vector>
 
-#include "attention_checks.hpp"
-#include "reference.hpp"
+#include "decode_check.hpp"
 
 namespace {
 
 using kvattn::GqaShape;
 
-using Case = checks::DecodeCase;
+using Case = decode_check::Case;
+using Plain = kvattn::Plain;
 
-template <class T, class Isa, class PF>
-void check(const Case& c, PF&& pf, int threads) {
-  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name));
-  const checks::DecodeInputs<T> in(c);
-  std::vector<float> out = in.out(), lse = in.lse(c);
-  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  const kvattn::DecodeParams p = checks::decode_params(c, threads);
-  kvattn::DecodeWorkspace ws;
-  const auto view = in.cache.view(table, 0);
-  if (c.window > 0 && c.soft_cap > 0)
-    kvattn::decode<kvattn::Variant<true, true>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
-  else if (c.window > 0)
-    kvattn::decode<kvattn::Variant<true, false>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
-  else if (c.soft_cap > 0)
-    kvattn::decode<kvattn::Variant<false, true>>(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
-  else
-    kvattn::decode(view, c.shape, in.q.data(), out.data(), lse.data(), p, ws, pf, Isa{});
-  checks::expect_decode_case_matches(in, c, out, lse);
-}
-
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
 template <class P> class Decode : public ::testing::Test {};
-TYPED_TEST_SUITE(Decode, Isas);
+TYPED_TEST_SUITE(Decode, decode_check::Isas);
 
-template <class Isa, class PF = kvattn::SerialFor>
-void check_all_storage(const Case& c, PF&& pf = PF{}, int threads = 1) {
-  check<float, Isa>(c, pf, threads);
-  check<kvattn::fp16, Isa>(c, pf, threads);
-  check<kvattn::bf16, Isa>(c, pf, threads);
+template <class T, class Isa, class PF> void check(const Case& c, PF&& pf, int threads) {
+  decode_check::check<Plain, T, Isa>(c, pf, threads);
+}
+template <class Isa, class PF = kvattn::SerialFor> void check_all_storage(const Case& c, PF&& pf = PF{}, int threads = 1) {
+  decode_check::check_all_storage<Plain, Isa>(c, pf, threads);
 }
 
 TYPED_TEST(Decode, GroupSizesAndHeadSizes) {
@@ -88,14 +66,6 @@ TYPED_TEST(Decode, SeveralQueriesPerSequenceAreCausal) {
   using Isa = typename TypeParam::type;
   check_all_storage<Isa>(Case{GqaShape::gqa(6, 2, 64), 7, {40, 3, 2, 16}, 3});
   check_all_storage<Isa>(Case{GqaShape::gqa(6, 3, 80), 16, {500, 64}, 4, 0, 0, 50});
-}
-
-TYPED_TEST(Decode, SlidingWindowAndSoftCap) {
-  using Isa = typename TypeParam::type;
-  check_all_storage<Isa>(Case{GqaShape::gqa(8, 2, 64), 16, {100, 5, 33}, 1, 20});
-  check_all_storage<Isa>(Case{GqaShape::gqa(8, 2, 64), 7, {100, 5, 33}, 3, 1});
-  check_all_storage<Isa>(Case{GqaShape::gqa(8, 2, 64), 16, {100, 5}, 1, 0, 5.0f, 0, 40.0f});
-  check_all_storage<Isa>(Case{GqaShape::gqa(8, 4, 128), 16, {300, 5}, 2, 64, 30.0f, 70, 40.0f});
 }
 
 TYPED_TEST(Decode, LargeLogitsDoNotOverflow) {

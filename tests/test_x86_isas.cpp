@@ -1,5 +1,5 @@
 // The AVX2 and AVX-512 kernels, whatever -march=native selects on the machine that builds them:
-// isa_kernels_avx2.cpp is compiled with -march=x86-64-v3 and isa_kernels_avx512.cpp with
+// isa_kernels_avx2*.cpp are compiled with -march=x86-64-v3 and isa_kernels_avx512*.cpp with
 // -march=x86-64-v4, and this file, compiled for the x86-64 baseline, runs them where the CPU has
 // the instruction set and skips them, saying which set is missing, where it has not.
 //
