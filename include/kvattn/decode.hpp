@@ -150,72 +150,24 @@ constexpr std::int64_t partial_row_floats(int dim) { return detail::whole_lines(
 /// Tokens of a span (see Span).
 inline constexpr int kDecodeSpan = 64;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head
-/// block. One unit is several memory latencies of work already; prefetching further ahead
-/// measured slower (bench_decode, ctx 16K, two threads: 2 units 6-10% below 1).
-inline constexpr int kPrefetchUnits = 1;
+/// block. One unit is several memory latencies of work already, but on a machine whose
+/// bandwidth is shared the latency swings: bench_decode, 32/8×128 bf16, two threads, three
+/// interleaved runs, median GiB/s of 1 / 2 / 4 units: ctx 16K 18.9 / 19.3 / 23.1, ctx 64K
+/// 19.8 / 24.7 / 24.0; MHA 32×128 the same within the noise for all three.
+inline constexpr int kPrefetchUnits = 2;
 
-/// The work PrefetchStream paces itself by, in element operations: one token's key or value
-/// columns [cols] against `rows` query rows costs the rows' multiply-adds and one conversion.
-constexpr std::int64_t token_work(int rows, int cols) { return std::int64_t{rows + 1} * cols; }
-/// One row's online-softmax step over a tile: measured, as long as scoring about 80 · 32 elements.
-inline constexpr std::int64_t kSoftmaxWork = 80 * kDecodeTile;
-
-/// The prefetches (into L2) of a later unit's rows: the cache lines of its first n key rows, then
-/// of their value rows. They are not issued at once but a few lines at a time through every phase
-/// of a tile's work (scores, softmax, values), in proportion to that work (`work` in all), so that
-/// the misses stream out at an even rate: issued in bursts they leave the memory idle between
-/// bursts and stall on full line fill buffers (bench_decode, 32/8×128: 12-20% slower). A call
-/// site asks for rate(w) once and issues it for every w units of work it does: a whole number of
-/// lines, the same at every call, and one more whenever the fractions have earned it (a loop
-/// whose trip count varied from call to call measured 10% slower on L2-resident keys). The
-/// lines' addresses are listed when the stream is made, so issuing one is a load and a prefetch.
-template <class T> class PrefetchStream {
- public:
-  struct Rate {
-    int whole;           ///< lines per call
-    std::int64_t frac;   ///< and this fraction of one, in 1 / kOne
-  };
-
-  PrefetchStream(const T* const* rows, int n, std::int64_t value_minus_key, int row_bytes, std::int64_t work) noexcept {
-    const int row_lines = (row_bytes + 63) / 64 + (row_bytes % 64 != 0);  // an unaligned row may touch one more
-    const int per_row = std::min(row_lines, kMaxRowLines);
-    for (int half = 0; half < 2; ++half)  // the keys, then the values
-      for (int t = 0; t < n; ++t) {
-        auto a = reinterpret_cast<std::uintptr_t>(rows[t] + (half ? value_minus_key : 0)) & ~std::uintptr_t{63};
-        for (int j = 0; j < per_row; ++j, a += 64) line_[n_++] = reinterpret_cast<const char*>(a);
-      }
-    if (work > 0) per_work_ = (std::int64_t{n_} << kShift) / work;
-  }
-
-  Rate rate(std::int64_t w) const noexcept {
-    const std::int64_t lines = w * per_work_;
-    return {static_cast<int>(lines >> kShift), lines & (kOne - 1)};
-  }
-  /// The lines of one call at rate r.
-  KVATTN_ALWAYS_INLINE void issue(Rate r) noexcept {
-    for (int k = 0; k < r.whole && i_ < n_; ++k) KVATTN_PREFETCH_L2(line_[i_++]);
-    credit_ += r.frac;
-    if (credit_ >= kOne && i_ < n_) {
-      KVATTN_PREFETCH_L2(line_[i_++]);
-      credit_ -= kOne;
-    }
-  }
-  /// Issues every line not issued yet.
-  void finish() noexcept {
-    while (i_ < n_) KVATTN_PREFETCH_L2(line_[i_++]);
-  }
-
- private:
-  static constexpr int kShift = 16;
-  static constexpr std::int64_t kOne = std::int64_t{1} << kShift;
-  /// Lines of a row at most: a longer row gets its first ones, and the hardware's stream
-  /// prefetcher, which follows a run of lines on its own, the rest.
-  static constexpr int kMaxRowLines = 9;
-
-  const char* line_[2 * kDecodeTile * kMaxRowLines];
-  int n_ = 0, i_ = 0;                       // lines, lines issued
-  std::int64_t per_work_ = 0, credit_ = 0;  // lines per unit of work, lines earned; both in 1 / kOne
-};
+/// Prefetches (into L2) the cache lines of row[c0, c1): the columns one pass of a tile reads from
+/// a token's row, for the same token of a later unit. Each pass prefetches, token by token, what
+/// it will read there, so that the misses stream out at the rate the work goes (issued in bursts,
+/// they left the memory idle between bursts and stalled on full line fill buffers: bench_decode,
+/// 32/8×128, 12-20% slower). Pacing a list of the unit's lines by a count of the work done cost
+/// as many instructions as the multiply-adds and ran 5-10% slower than this (32/8×128 bf16, one
+/// thread, on cached and on cold keys alike).
+template <class T> KVATTN_ALWAYS_INLINE void prefetch_columns(const T* row, int c0, int c1) noexcept {
+  const auto first = reinterpret_cast<std::uintptr_t>(row + c0) & ~std::uintptr_t{63};
+  const auto last = reinterpret_cast<std::uintptr_t>(row + c1 - 1);
+  for (std::uintptr_t a = first; a <= last; a += 64) KVATTN_PREFETCH_L2(reinterpret_cast<const char*>(a));
+}
 
 /// One row's online-softmax step over a tile of N scores `s` (-inf where the row sees no key):
 /// turns them into exp(s − m) with m the new running maximum (all 0 while the row has seen
@@ -252,21 +204,19 @@ template <class Isa, int N> KVATTN_ALWAYS_INLINE float online_softmax(float* s, 
 }
 
 /// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order),
-/// telling `pf` the work of each token.
+/// prefetching those columns of ahead[t]'s value row (no prefetch when ahead is null).
 template <class Isa, int NR, int CP, class T>
-KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minus_key, int n, int c0,
-                                   const float (*p)[kDecodeTile], const float* alpha, float* const* o,
-                                   PrefetchStream<T>& pf) noexcept {
+KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key, int n,
+                                   int c0, const float (*p)[kDecodeTile], const float* alpha, float* const* o) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
-  const auto pf_rate = pf.rate(token_work(NR, V2 * W));
   Vec acc[NR][V2];
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
     const Vec al = Vec::set1(alpha[r]);
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
   }
   for (int t = 0; t < n; ++t) {
-    pf.issue(pf_rate);
+    if (ahead) prefetch_columns(ahead[t] + value_minus_key, c0, c0 + V2 * W);
     Vec v[V2];
     KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
@@ -280,7 +230,9 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
-/// keys[t] + value_minus_key; `pf` is told the work as it is done, and prefetches accordingly.
+/// keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit, whose key and
+/// value rows are prefetched as the scores and the values of token t are computed (ahead null:
+/// none).
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); qpos[r]: its position;
 /// o[r]: its running output [dim] in pair order, then {m, d}.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
@@ -289,7 +241,7 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, std::int64_t value_minu
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
 template <class Isa, int D, int NR, class V, class T>
-KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& pf, std::int64_t value_minus_key,
+KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
                                       int n, std::int64_t t0, int dim, const float* const* qr, const std::int64_t* qpos,
                                       float* const* o, float scale, const DecodeParams& p) noexcept {
   using Vec = simd::Vec<Isa>;
@@ -298,12 +250,11 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
-  const auto pf_rate = pf.rate(token_work(NR, dim));
 
   // 1. Scores.
   Vec red[NR][kDecodeTile];
   for (int t = 0; t < n; ++t) {
-    pf.issue(pf_rate);
+    if (ahead) prefetch_columns(ahead[t], 0, dim);
     const T* key = keys[t];
     Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
@@ -332,7 +283,6 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   // 2. Online softmax. s[r][t]: scores, then probabilities (0 for tokens a row does not see).
   alignas(64) float s[NR][kDecodeTile];
   float alpha[NR];
-  const auto pf_softmax = pf.rate(kSoftmaxWork);
   for (int r = 0; r < NR; ++r) {
     const Vec vscale = Vec::set1(scale);
     for (int g = 0; g < kDecodeTile; g += W) (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
@@ -346,7 +296,6 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
     for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
 
     alpha[r] = online_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
-    pf.issue(pf_softmax);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
@@ -355,8 +304,10 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, PrefetchStream<T>& p
   constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
   int c = 0;
-  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, value_minus_key, n, c * W2, s, alpha, o, pf);
-  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, value_minus_key, n, c * W2, s, alpha, o, pf);
+  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
+  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
+  if (ahead && rest < dim)
+    for (int t = 0; t < n; ++t) prefetch_columns(ahead[t] + value_minus_key, rest, dim);
   for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
     const int width = std::min(W, dim - c);
     Vec a[NR];
@@ -417,7 +368,7 @@ template <class T> struct SpanWalker {
 /// One work item: every query row of one sequence against its key positions [begin, end).
 /// The keys are walked span by span and, within a span, KV head by KV head: the order in which
 /// they lie in a page (PageLayout: [K, V][kv_heads][page_size][dim]), so the reads of a step are
-/// long runs of neighbouring bytes, and the span kPrefetchUnits (span, head) units ahead is
+/// long runs of neighbouring bytes, and the (span, head) unit kPrefetchUnits units ahead is
 /// prefetched meanwhile. Writes the normalized partial output and {m, d} of every row to `part`:
 /// [kv_heads][rows][row_floats(dim)], rows = group · Q (row r: query i = r / group, head
 /// h·group + r % group), each row its output [dim] in pair order then {m, d}.
@@ -474,16 +425,9 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
       for (int i0 = 0; i0 < cur->n; i0 += kDecodeTile) {
         const int n = std::min(kDecodeTile, cur->n - i0);
         for (int t = 0; t < n; ++t) keys[t] = cur->token[i0 + t] + key_offset;
+        // Tokens past the end of the later span prefetch their own rows again: no test per token.
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
-        for (int t = 0; t < n_ahead; ++t) ahead[t] = sp->token[i0 + t] + ahead_offset;
-        // The tile's work over all row blocks: each scores every token, runs its rows' softmax
-        // steps and mixes every token's values.
-        std::int64_t work = 0;
-        for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-          const int nr = std::min(kRowBlock, rows - r0);
-          work += 2 * n * token_work(nr, dim) + nr * kSoftmaxWork;
-        }
-        PrefetchStream<T> pf(ahead, n_ahead, value_minus_key, dim * static_cast<int>(sizeof(T)), work);
+        for (int t = 0; t < n; ++t) ahead[t] = t < n_ahead ? sp->token[i0 + t] + ahead_offset : keys[t];
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);
           for (int r = 0; r < nr; ++r) {
@@ -496,7 +440,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, D, NR, V>(keys, pf, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
+      decode_tile<Isa, D, NR, V>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -505,11 +449,10 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, D, kRowBlock, V>(keys, pf, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
+            default: decode_tile<Isa, D, kRowBlock, V>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }
-        pf.finish();
       }
     }
     std::swap(cur, nxt);
