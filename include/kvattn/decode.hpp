@@ -306,14 +306,13 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   int c = 0;
   for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
   for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
-  if (ahead && rest < dim)
-    for (int t = 0; t < n; ++t) prefetch_columns(ahead[t] + value_minus_key, rest, dim);
   for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
     const int width = std::min(W, dim - c);
     Vec a[NR];
     KVATTN_UNROLL for (int r = 0; r < NR; ++r)
       a[r] = (width == W ? Vec::load(o[r] + c) : Vec::load_partial(o[r] + c, width)) * Vec::set1(alpha[r]);
     for (int t = 0; t < n; ++t) {
+      if (ahead && c == rest) prefetch_columns(ahead[t] + value_minus_key, rest, dim);
       const T* value = keys[t] + value_minus_key + c;
       const Vec v = width == W ? Vec::load(value) : Vec::load_partial(value, width);
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) a[r] = fma(Vec::set1(s[r][t]), v, a[r]);
@@ -428,6 +427,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
         // Tokens past the end of the later span prefetch their own rows again: no test per token.
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n; ++t) ahead[t] = t < n_ahead ? sp->token[i0 + t] + ahead_offset : keys[t];
+        // Only the first block of rows prefetches: the later unit's rows are fetched once per tile.
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);
           for (int r = 0; r < nr; ++r) {
