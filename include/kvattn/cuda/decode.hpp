@@ -23,7 +23,9 @@
 // state per row ({m, d} and its EPT output elements), scores reduced across its TPR lanes with
 // shuffles. The groups' states are merged through shared memory at the end of the chunk and
 // written as the item's partial result {o normalized, m, d}; a second kernel merges the chunks of
-// each row (state.hpp: empty parts are harmless) into out and lse.
+// each row (state.hpp: empty parts are harmless) into out and lse. A sequence that is one item has
+// its out and lse written by the first kernel (the second, launched only when some sequence is
+// split, skips it at once), so a batch with no split sequence takes one launch.
 #pragma once
 
 #include <algorithm>
@@ -61,7 +63,10 @@ template <class D> struct DecodeArgs {
   const std::int32_t* last_page_len;
   const kvattn::DecodeWorkspace::Item* items;
   const float* q;
+  const std::int64_t* first_item;  ///< sequence b's items: [first_item[b], first_item[b + 1])
   float* partial;
+  float* out;  ///< where a sequence of one item writes its rows' results directly (and lse, when not null)
+  float* lse;
   int group, Q, rows, q_heads;
   float scale;
   std::int64_t window;
@@ -94,7 +99,8 @@ __device__ __forceinline__ void load_row(const D* p, int c0, int dim, float (&x)
 }
 
 /// One (item, KV head, row block): see the top of the file. Writes the partial state of each
-/// of its rows: partial + item.partial + (h · rows + row) · (dim + 2), {o [dim], m, d}.
+/// of its rows: partial + item.partial + (h · rows + row) · (dim + 2), {o [dim], m, d}; or, when
+/// the item is its sequence's only one, the rows' outputs and log-sum-exps themselves.
 template <class D, int TPR, int EPT, int RB, bool VEC, class V>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeArgs<D> a) {
   constexpr int NG = kDecodeThreads / TPR;  // lane groups
@@ -203,8 +209,8 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeArgs<D> a)
     }
   }
   __syncthreads();
-  float* out = a.partial + item.partial;
   const int stride = dim + 2;
+  const bool only_item = a.first_item[b + 1] - a.first_item[b] == 1;
   for (int x = threadIdx.x; x < nr * dim; x += kDecodeThreads) {
     const int r = x / dim, c = x % dim;
     float M = kNegInf;
@@ -216,7 +222,14 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeArgs<D> a)
         sum += s_d[j * RB + r] * w;
         o += s_o[(j * RB + r) * width + c] * w;
       }
-    float* row = out + (std::int64_t{h} * a.rows + r0 + r) * stride;
+    if (only_item) {  // the sequence's only item: its state is the result
+      const int row = r0 + r, i = row / a.group, head = h * a.group + row % a.group;
+      const std::int64_t at = (std::int64_t{b} * a.Q + i) * a.q_heads + head;
+      a.out[at * dim + c] = sum > 0.0f ? o / sum : 0.0f;
+      if (c == 0 && a.lse != nullptr) a.lse[at] = sum > 0.0f ? M + logf(sum) : kNegInf;
+      continue;
+    }
+    float* row = a.partial + item.partial + (std::int64_t{h} * a.rows + r0 + r) * stride;
     row[c] = sum > 0.0f ? o / sum : 0.0f;
     if (c == 0) {
       row[dim] = sum > 0.0f ? M : kNegInf;
@@ -226,7 +239,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(DecodeArgs<D> a)
 }
 
 /// One thread block per (sequence, KV head, row): merges the items' partial states of that row
-/// (state.hpp) into out and lse.
+/// (state.hpp) into out and lse; a sequence of one item was written by decode_kernel.
 __global__ void __launch_bounds__(kDecodeThreads)
     decode_merge_kernel(const float* __restrict__ partial, const kvattn::DecodeWorkspace::Item* __restrict__ items,
                         const std::int64_t* __restrict__ first_item, int rows, int group, int Q, int q_heads,
@@ -234,6 +247,7 @@ __global__ void __launch_bounds__(kDecodeThreads)
   const int b = blockIdx.x, h = blockIdx.y, r = blockIdx.z;
   const int i = r / group, head = h * group + r % group;
   const std::int64_t first = first_item[b], last = first_item[b + 1];
+  if (last - first == 1) return;
   const std::int64_t off = (std::int64_t{h} * rows + r) * (dim + 2);
   float M = -INFINITY;
   for (std::int64_t c = first; c < last; ++c) M = fmaxf(M, partial[items[c].partial + off + dim]);
@@ -323,12 +337,16 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
   const std::size_t n_items = ws.plan.items.size();
   if (n_items > std::size_t{std::numeric_limits<int>::max()})
     raise<invalid_argument>(kvattn::detail::concat("cuda::decode: ", n_items, " work items exceed a grid (raise chunk_tokens)"));
+  // Sequences of one item (all of them, commonly, at large batches) are written by the decode
+  // kernel: the partial results and the merge launch are needed only when some sequence is split.
+  const bool split = n_items > static_cast<std::size_t>(kv.batch);
   ws.items.upload(ws.plan.items.data(), n_items, stream);
   ws.first_item.upload(ws.plan.first_item.data(), ws.plan.first_item.size(), stream);
-  float* partial = ws.partial.reserve(static_cast<std::size_t>(n_items * item_floats));
+  float* partial = split ? ws.partial.reserve(static_cast<std::size_t>(n_items * item_floats)) : nullptr;
 
   impl::DecodeArgs<D> a{reinterpret_cast<const D*>(kv.pool), kv.layout, kv.indptr, kv.indices, kv.last_page_len,
-                        ws.items.data(), q, partial, group, Q, rows, shape.q_heads, scale, p.window, p.soft_cap};
+                        ws.items.data(), q, ws.first_item.data(), partial, out, lse,
+                        group, Q, rows, shape.q_heads, scale, p.window, p.soft_cap};
   const auto items = static_cast<unsigned>(n_items);
   const int H = shape.kv_heads;
   constexpr bool kVec = sizeof(D) <= 4;  // 16-byte loads of whole rows (8 elements of 16 bits, 4 x 2 of fp32)
@@ -346,6 +364,7 @@ void decode(const PagedKvView<T>& kv, const DevicePageTable& table, const GqaSha
     }
   }
   check(cudaGetLastError(), "cuda::decode launch");
+  if (!split) return;
   const dim3 merge_grid(static_cast<unsigned>(kv.batch), static_cast<unsigned>(H), static_cast<unsigned>(rows));
   impl::decode_merge_kernel<<<merge_grid, impl::kDecodeThreads, 0, stream>>>(partial, ws.items.data(), ws.first_item.data(),
                                                                              rows, group, Q, shape.q_heads, dim, out, lse);
