@@ -228,6 +228,21 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, const T* const* ahead, 
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j].store(o[r] + c0 + j * W);
 }
 
+/// One pair of vectors of columns c · 2W of a key against NR query rows (pair order): the key's
+/// even columns into acc[r], its odd ones into acc2[r].
+template <class Isa, int NR, class T>
+KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c, simd::Vec<Isa>* acc,
+                                     simd::Vec<Isa>* acc2) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes, W2 = 2 * W;
+  Vec ka, kb;
+  Vec::load_pair(key + c * W2, ka, kb);
+  KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+    acc[r] = fma(Vec::load(qr[r] + c * W2), ka, acc[r]);
+    acc2[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc2[r]);
+  }
+}
+
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
 /// keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit, whose key and
@@ -258,13 +273,12 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     const T* key = keys[t];
     Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
-    KVATTN_UNROLL for (int c = 0; c < pairs; ++c) {
-      Vec ka, kb;
-      Vec::load_pair(key + c * W2, ka, kb);
-      KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
-        acc[r] = fma(Vec::load(qr[r] + c * W2), ka, acc[r]);
-        acc2[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc2[r]);
-      }
+    // Unrolled for the head sizes known at compile time. The general size's count is known only
+    // at run time: clang cannot honour an unroll pragma there and warns (-Wpass-failed).
+    if constexpr (D > 0) {
+      KVATTN_UNROLL for (int c = 0; c < D / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+    } else {
+      for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
     }
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc[r] + acc2[r];
     for (int c = 0; c < singles; ++c) {
