@@ -6,13 +6,15 @@
 #   bash cmake/setup-debian.sh            # the packages above
 #   bash cmake/setup-debian.sh --cross    # also the aarch64 cross compiler, qemu-user and
 #                                         # GoogleTest's source (the aarch64 preset builds it)
+#   bash cmake/setup-debian.sh --clang    # also clang++ (the clang preset)
 set -euo pipefail
 
 packages=(g++ cmake ninja-build libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev)
 for arg in "$@"; do
   case "$arg" in
     --cross) packages+=(g++-aarch64-linux-gnu qemu-user googletest) ;;
-    *) echo "setup-debian.sh: unknown argument '$arg' (expected --cross)" >&2; exit 2 ;;
+    --clang) packages+=(clang) ;;
+    *) echo "setup-debian.sh: unknown argument '$arg' (expected --cross or --clang)" >&2; exit 2 ;;
   esac
 done
 
