@@ -91,7 +91,9 @@
 #define KVATTN_PREFETCH_L2(p) ((void)(p))
 #endif
 /// Unrolls the loop that follows completely (a loop over a compile-time count of vector
-/// registers must be unrolled for them to stay registers, at -O2 too).
+/// registers must be unrolled for them to stay registers, at -O2 too). Only for loops whose
+/// count is a compile-time constant: clang demands the complete unroll and warns
+/// (-Wpass-failed, an error under -Werror) where it cannot honour it.
 #if defined(__CUDA_ARCH__)  // nvcc, device pass
 #define KVATTN_UNROLL _Pragma("unroll")
 #elif defined(__CUDACC__)  // nvcc, host pass: its front end rejects "GCC unroll", g++ rejects "unroll"
