@@ -14,6 +14,15 @@
 //     in the widest vectors this translation unit targets (isa::native). The ceiling of a
 //     compute-bound kernel such as prefill or MLA's folded decode. One FMA = 2 FLOP.
 //
+// bench_decode also adds (register_read_with_fma):
+//
+//   machine/read_with_fma/flop_per_byte:F/real_time/threads:N   bytes_per_second, FLOP/s
+//     machine/read_bandwidth's streaming reads, each line also prefetched 16 KiB ahead as the
+//     decode kernel does, with F FLOP of fp32 FMAs per byte read spread evenly over the reads:
+//     independent chains on registers, using nothing that was read. How much of the read
+//     bandwidth a stream keeps when each byte also costs core time: the ceiling of a kernel
+//     that spends as long per byte. F = 0 is the plain stream (with the prefetches).
+//
 // N is 1, 2 and, where there are more cores, all of them. Both use wall time (UseRealTime), and
 // Google Benchmark sums the threads' work, so the figure for N threads is the aggregate rate.
 // Google Benchmark prints bytes_per_second in binary units (G/s = GiB/s) and FLOP/s in decimal
@@ -195,6 +204,16 @@ struct u64 {
 };
 #endif
 
+/// x, read back through a volatile: a value the compiler cannot know, so that nothing computed
+/// from it is folded. (benchmark::DoNotOptimize on a float variable does not do this with GCC 12:
+/// its "+m,r" constraint lets GCC drop the variable's store and read an uninitialized stack
+/// slot, GCC bug 105519; the FMA limits then ran on whatever that slot held, subnormals included,
+/// which are a hundred times slower.)
+inline float opaque(float x) noexcept {
+  volatile float v = x;
+  return v;
+}
+
 /// The first lane of v, so that a result can be handed to benchmark::DoNotOptimize as a scalar.
 template <class Scalar, class V>
 Scalar first_lane(const V& v) {
@@ -218,12 +237,49 @@ inline std::uint64_t read_pass(const std::byte* begin, const std::byte* end) noe
   return first_lane<std::uint64_t>(sum);
 }
 
+/// Chains of machine/read_with_fma's FMAs: enough to cover the FMA latency on every FMA port,
+/// few enough to leave the loads registers (AVX2 has 16). With these, a round of FMAs on every
+/// chain is 2 · lanes · chains FLOP, which divides 1024 · 2 for every ISA here: a whole number
+/// of rounds per KiB for every even FLOP per byte.
+constexpr int kStreamChains = f32::lanes == 16 || f32::lanes == 4 ? 16 : 8;
+/// How far ahead of its reads machine/read_with_fma prefetches (into L2), in bytes.
+constexpr std::size_t kStreamPrefetch = std::size_t{16} << 10;
+
 /// Runs `steps` rounds of acc[i] = acc[i] + a * b on every chain; independent chains let the
 /// FMA units start one every cycle on each port.
 template <std::size_t... I>
 KVATTN_ALWAYS_INLINE void fma_rounds(f32::V (&acc)[sizeof...(I)], f32::V a, f32::V b, int steps,
                                      std::index_sequence<I...>) noexcept {
   for (int s = 0; s < steps; ++s) ((acc[I] = f32::fma(acc[I], a, b)), ...);
+}
+
+/// read_pass with `rounds_per_kib` rounds of FMAs on every chain of acc per KiB read, spread
+/// evenly over the KiB (after each group of four vector loads, the rounds due by then), and a
+/// prefetch of every line kStreamPrefetch bytes ahead of its read (none past `end`).
+inline std::uint64_t read_pass_with_fma(const std::byte* begin, const std::byte* end, int rounds_per_kib,
+                                        f32::V (&acc)[kStreamChains], f32::V a, f32::V b) noexcept {
+  constexpr std::size_t w = sizeof(u64::V), group = 4 * w;
+  static_assert(1024 % group == 0, "groups of loads tile a KiB");
+  u64::V a0 = u64::zero(), a1 = a0, a2 = a0, a3 = a0;
+  std::size_t in_kib = 0;  // bytes of the current KiB read so far
+  int done = 0;            // rounds done in the current KiB
+  for (const std::byte* p = begin; p != end; p += group) {
+    if (static_cast<std::size_t>(end - p) > kStreamPrefetch)
+      for (std::size_t line = 0; line < group; line += 64) KVATTN_PREFETCH_L2(p + kStreamPrefetch + line);
+    a0 = u64::add(a0, u64::load(p));
+    a1 = u64::add(a1, u64::load(p + w));
+    a2 = u64::add(a2, u64::load(p + 2 * w));
+    a3 = u64::add(a3, u64::load(p + 3 * w));
+    in_kib += group;
+    const int due = static_cast<int>(static_cast<std::size_t>(rounds_per_kib) * in_kib / 1024);
+    for (; done < due; ++done) fma_rounds(acc, a, b, 1, std::make_index_sequence<kStreamChains>{});
+    if (in_kib == 1024) {
+      in_kib = 0;
+      done = 0;
+    }
+  }
+  const u64::V sum = u64::add(u64::add(a0, a1), u64::add(a2, a3));
+  return first_lane<std::uint64_t>(sum);
 }
 
 struct aligned_free {
@@ -277,10 +333,7 @@ inline void bm_fma_peak_f32(benchmark::State& state) {
   constexpr int chains = f32::chains, rounds = 256;
   // acc stays within [2^-12, 2]: no overflow, no subnormals. a and b are hidden from the
   // compiler, so that it has nothing to fold.
-  float a_scalar = 0x1p-12f, b_scalar = 0x1p-12f;
-  benchmark::DoNotOptimize(a_scalar);
-  benchmark::DoNotOptimize(b_scalar);
-  const f32::V a = f32::set1(a_scalar), b = f32::set1(b_scalar);
+  const f32::V a = f32::set1(opaque(0x1p-12f)), b = f32::set1(opaque(0x1p-12f));
   f32::V acc[chains];
   for (int i = 0; i < chains; ++i) acc[i] = f32::set1(1.0f + static_cast<float>(i) / 64);
   for (auto _ : state) fma_rounds(acc, a, b, rounds, std::make_index_sequence<chains>{});
@@ -290,6 +343,39 @@ inline void bm_fma_peak_f32(benchmark::State& state) {
   benchmark::DoNotOptimize(result);
   report_flops(state, 2.0 * f32::lanes * chains * rounds);
   state.SetLabel(std::string(isa::native::name) + ", " + std::to_string(chains) + " chains");
+}
+
+/// machine/read_with_fma: bm_read_bandwidth's passes, each byte read with flop_per_byte FLOP
+/// of FMAs (an even number: whole rounds per KiB).
+inline void bm_read_with_fma(benchmark::State& state) {
+  const int flop_per_byte = static_cast<int>(state.range(0));
+  const int rounds_per_kib = flop_per_byte * 1024 / (2 * f32::lanes * kStreamChains);
+  const std::size_t total = read_buffer_bytes();
+  const std::byte* buffer = nullptr;
+  try {
+    buffer = read_buffer();
+  } catch (const std::bad_alloc&) {
+    state.SkipWithError(("cannot allocate " + std::to_string(total >> 20) + " MiB").c_str());
+  }
+  const std::size_t threads = static_cast<std::size_t>(state.threads());
+  const std::size_t slice = total / threads / 1024 * 1024;
+  const std::byte* begin = buffer ? buffer + static_cast<std::size_t>(state.thread_index()) * slice : nullptr;
+  // As in bm_fma_peak_f32: acc stays within [2^-12, 2], a and b hidden from the compiler.
+  const f32::V a = f32::set1(opaque(0x1p-12f)), b = f32::set1(opaque(0x1p-12f));
+  f32::V acc[kStreamChains];
+  for (int i = 0; i < kStreamChains; ++i) acc[i] = f32::set1(1.0f + static_cast<float>(i) / 64);
+  for (auto _ : state) {
+    std::uint64_t sum = read_pass_with_fma(begin, begin + slice, rounds_per_kib, acc, a, b);
+    benchmark::DoNotOptimize(sum);
+    benchmark::ClobberMemory();
+  }
+  f32::V fsum = acc[0];
+  for (int i = 1; i < kStreamChains; ++i) fsum = f32::add(fsum, acc[i]);
+  float result = first_lane<float>(fsum);
+  benchmark::DoNotOptimize(result);
+  report_bytes(state, static_cast<std::int64_t>(slice));
+  report_flops(state, static_cast<double>(rounds_per_kib) * (slice / 1024) * 2.0 * f32::lanes * kStreamChains);
+  state.SetLabel(std::string(isa::native::name) + ", " + std::to_string(kStreamChains) + " chains");
 }
 
 }  // namespace detail
@@ -343,6 +429,17 @@ inline void register_machine_limits() {
     return true;
   }();
   (void)registered;
+}
+
+/// Registers machine/read_with_fma (see the top of this file) for 0, 2, 4, 8, 12 and 16 FLOP
+/// per byte, with the thread counts of the other limits. A program that calls it at static
+/// initialization gets them before the limits, after its own benchmarks registered before it.
+inline void register_read_with_fma() {
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  auto* b = benchmark::RegisterBenchmark("machine/read_with_fma", detail::bm_read_with_fma);
+  b->ArgName("flop_per_byte")->Arg(0)->Arg(2)->Arg(4)->Arg(8)->Arg(12)->Arg(16);
+  b->Unit(benchmark::kMillisecond)->Threads(1)->Threads(2)->UseRealTime();
+  if (cores > 2) b->Threads(cores);
 }
 
 /// The body of main() for a kvattn benchmark program: the program's own benchmarks plus the

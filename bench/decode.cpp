@@ -380,6 +380,7 @@ const bool registered = [] {
   register_family<fp16>("gqa32x8", gqa);
   register_family<bf16>("mha32x32", mha);
   register_family<fp16>("mha32x32", mha);
+  kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();
 
