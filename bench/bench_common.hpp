@@ -305,8 +305,14 @@ inline const std::byte* read_buffer() {
   return buffer.get();
 }
 
-/// machine/read_bandwidth: each thread sums its own slice of the buffer once per iteration.
-inline void bm_read_bandwidth(benchmark::State& state) {
+/// This thread's slice of the bandwidth buffer: 1/threads of it, rounded down to a multiple of
+/// `granule` bytes. begin is null, and the benchmark skipped with the reason, if the buffer
+/// cannot be had (the benchmark loop then runs no iteration).
+struct ThreadSlice {
+  const std::byte* begin;
+  std::size_t bytes;
+};
+inline ThreadSlice thread_slice(benchmark::State& state, std::size_t granule) {
   const std::size_t total = read_buffer_bytes();
   const std::byte* buffer = nullptr;
   try {
@@ -314,10 +320,15 @@ inline void bm_read_bandwidth(benchmark::State& state) {
   } catch (const std::bad_alloc&) {
     state.SkipWithError(("cannot allocate " + std::to_string(total >> 20) + " MiB").c_str());
   }
-  const std::size_t threads = static_cast<std::size_t>(state.threads());
-  const std::size_t slice = total / threads / 256 * 256;
-  const std::size_t offset = static_cast<std::size_t>(state.thread_index()) * slice;
-  const std::byte* begin = buffer ? buffer + offset : nullptr;
+  const std::size_t bytes = total / static_cast<std::size_t>(state.threads()) / granule * granule;
+  return {buffer ? buffer + static_cast<std::size_t>(state.thread_index()) * bytes : nullptr, bytes};
+}
+
+/// machine/read_bandwidth: each thread sums its own slice of the buffer once per iteration.
+inline void bm_read_bandwidth(benchmark::State& state) {
+  const ThreadSlice s = thread_slice(state, 256);
+  const std::byte* begin = s.begin;
+  const std::size_t slice = s.bytes, total = read_buffer_bytes();
   for (auto _ : state) {  // runs no iteration after SkipWithError
     std::uint64_t sum = read_pass(begin, begin + slice);
     benchmark::DoNotOptimize(sum);
@@ -350,16 +361,9 @@ inline void bm_fma_peak_f32(benchmark::State& state) {
 inline void bm_read_with_fma(benchmark::State& state) {
   const int flop_per_byte = static_cast<int>(state.range(0));
   const int rounds_per_kib = flop_per_byte * 1024 / (2 * f32::lanes * kStreamChains);
-  const std::size_t total = read_buffer_bytes();
-  const std::byte* buffer = nullptr;
-  try {
-    buffer = read_buffer();
-  } catch (const std::bad_alloc&) {
-    state.SkipWithError(("cannot allocate " + std::to_string(total >> 20) + " MiB").c_str());
-  }
-  const std::size_t threads = static_cast<std::size_t>(state.threads());
-  const std::size_t slice = total / threads / 1024 * 1024;
-  const std::byte* begin = buffer ? buffer + static_cast<std::size_t>(state.thread_index()) * slice : nullptr;
+  const ThreadSlice s = thread_slice(state, 1024);  // whole KiB: whole rounds
+  const std::byte* begin = s.begin;
+  const std::size_t slice = s.bytes;
   // As in bm_fma_peak_f32: acc stays within [2^-12, 2], a and b hidden from the compiler.
   const f32::V a = f32::set1(opaque(0x1p-12f)), b = f32::set1(opaque(0x1p-12f));
   f32::V acc[kStreamChains];
