@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -109,6 +110,8 @@ TYPED_TEST(Prefill, LongPromptAndBlocks) {
   check_against_reference<kvattn::fp16, Isa>(GqaShape::gqa(6, 2, 64), 7, {100, 77}, p);
   p.query_block = 1;
   check_against_reference<float, Isa>(GqaShape::gqa(4, 4, 64), 3, {50}, p);
+  p.query_block = kvattn::PrefillParams::kMaxQueryBlock;  // longer than every chunk: one block per chunk
+  check_against_reference<kvattn::bf16, Isa>(GqaShape::gqa(16, 2, 64), 16, {300, 1, 45}, p);
 }
 
 TYPED_TEST(Prefill, VariantsAndLargeLogits) {
@@ -178,14 +181,39 @@ TEST(PrefillErrors, InconsistentArgumentsLeaveTheCacheAlone) {
   EXPECT_THROW(kvattn::prefill(cache, 0, {seq + 1}, fine, s, q.data(), kv.data(), kv.data(), out.data(), nullptr, {}, ws),
                kvattn::invalid_argument);
   kvattn::PrefillParams p;
-  p.query_block = 0;
-  EXPECT_THROW(kvattn::prefill(cache, 0, {seq}, fine, s, q.data(), kv.data(), kv.data(), out.data(), nullptr, p, ws),
-               kvattn::invalid_argument);
+  // Blocks whose scratch size would overflow (INT_MAX, or 2^30 + 1 tokens of 4 rows each) are
+  // rejected before anything is sized or written.
+  for (int block : {0, -1, kvattn::PrefillParams::kMaxQueryBlock + 1, (1 << 30) + 1, std::numeric_limits<int>::max()}) {
+    p.query_block = block;
+    EXPECT_THROW(kvattn::prefill(cache, 0, {seq}, fine, s, q.data(), kv.data(), kv.data(), out.data(), nullptr, p, ws),
+                 kvattn::invalid_argument) << "query_block=" << block;
+  }
   std::vector<float> k(64 * 2), v(k.size());
   for (std::int64_t t = 0; t < 10; ++t) {  // nothing was written by the rejected calls
     cache.read(seq, 0, t, k.data(), v.data());
     for (float x : k) ASSERT_EQ(x, 0.0f);
   }
+}
+
+// The rows of an item (group size × the block used) are bounded too: 512 heads per group in
+// blocks of 4,096 tokens would be 2^21 rows of scratch per item.
+TEST(PrefillErrors, ItemsOfTooManyRowsAreRejected) {
+  const GqaShape s = GqaShape::gqa(512, 1, 1);
+  kvattn::PagedKvCache<float> cache(kvattn::CacheConfig{1, 64, 64, s});
+  const auto seq = cache.add_sequence();
+  cache.append(seq, 4096);
+  std::vector<float> q(4096 * 512), kv(4096), out(q.size());
+  kvattn::PrefillWorkspace ws;
+  const std::int64_t indptr[2] = {0, 4096};
+  kvattn::PrefillParams p;
+  p.query_block = 4096;
+  try {
+    kvattn::prefill(cache, 0, {seq}, indptr, s, q.data(), kv.data(), kv.data(), out.data(), nullptr, p, ws);
+    ADD_FAILURE() << "no error";
+  } catch (const kvattn::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("2097152 query rows"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(ws.scratch.size(), 0u);
 }
 
 // A batch is one request: when the pool cannot hold the copy-on-write copies of every chunk's

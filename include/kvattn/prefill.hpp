@@ -38,7 +38,12 @@ struct PrefillParams {
   float scale = 0.0f;            ///< softmax scale; 0: 1 / sqrt(head_dim)
   std::int64_t window = 0;       ///< sliding window W (Variant<true, ...>)
   float soft_cap = 0.0f;         ///< soft-cap (Variant<..., true>), > 0
-  int query_block = 64;          ///< query tokens per work item
+  /// Query tokens per work item, from 1 to kMaxQueryBlock; a chunk shorter than this is one block.
+  int query_block = 64;
+  /// The largest query_block, and the most query rows (group size × the block actually used) one
+  /// item may hold: an item's scratch grows with its rows.
+  static constexpr int kMaxQueryBlock = 4096;
+  static constexpr std::int64_t kMaxItemRows = std::int64_t{1} << 20;
   /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
   /// positions (each token's index in its sequence) before the keys are cached and attended to;
   /// q and k are only read (the rotated copies live in the workspace). rope->head_dim() must
@@ -81,7 +86,7 @@ struct ScratchLayout {
   std::int64_t acc_out;  ///< the outputs, accumulated: [blocks · W][dim] (padding rows too)
   std::int64_t floats;   ///< in all, a whole number of cache lines
 
-  template <class Isa> static constexpr ScratchLayout of(int rows, int dim) noexcept {
+  template <class Isa> static constexpr ScratchLayout of(std::int64_t rows, int dim) noexcept {
     constexpr int W = simd::Vec<Isa>::lanes;
     const std::int64_t blocks = (rows + W - 1) / W;
     std::int64_t at = 0;
@@ -320,7 +325,9 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
              const GqaShape& shape, const float* q, const float* k, const float* v, float* out, float* lse,
              const PrefillParams& p, PrefillWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
   detail::check_attention_args<V>("prefill", shape, cache.layout(), p.scale, p.window, p.soft_cap);
-  if (p.query_block < 1) raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be positive"));
+  if (p.query_block < 1 || p.query_block > PrefillParams::kMaxQueryBlock)
+    raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be from 1 to ",
+                                           PrefillParams::kMaxQueryBlock));
   if (p.rope != nullptr && p.rope->head_dim() != shape.head_dim)
     raise<shape_error>(detail::concat("prefill: rope head_dim=", p.rope->head_dim(), " does not match shape head_dim=",
                                       shape.head_dim));
@@ -335,6 +342,15 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   }
   if (layer < 0 || layer >= cache.config().layers)
     raise<invalid_argument>(detail::concat("prefill: layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+  // The block actually used: no longer than the longest chunk. Its rows size every item's scratch,
+  // counted in 64 bits before anything is allocated.
+  std::int64_t longest = 0;
+  for (int b = 0; b < batch; ++b) longest = std::max(longest, q_indptr[b + 1] - q_indptr[b]);
+  const int query_block = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.query_block, longest)));
+  if (std::int64_t{shape.group_size()} * query_block > PrefillParams::kMaxItemRows)
+    raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, " with group size ", shape.group_size(),
+                                           " makes items of ", std::int64_t{shape.group_size()} * query_block,
+                                           " query rows: at most ", PrefillParams::kMaxItemRows));
   // Every chunk's pages are made private (copy-on-write) before anything is written, for the
   // whole batch at once: a pool too small for the copies of a later sequence fails the call
   // before an earlier sequence has changed (the writes below then copy nothing and cannot fail).
@@ -396,10 +412,10 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   // keys it sees, and each lane below then ends on its cheap items.
   ws.items.clear();
   for (int b = 0; b < batch; ++b)
-    for (std::int64_t n = q_indptr[b + 1] - q_indptr[b], t = q_indptr[b] + (n - 1) / p.query_block * p.query_block;
-         n > 0 && t >= q_indptr[b]; t -= p.query_block)
+    for (std::int64_t n = q_indptr[b + 1] - q_indptr[b], t = q_indptr[b] + (n - 1) / query_block * query_block;
+         n > 0 && t >= q_indptr[b]; t -= query_block)
       for (int h = 0; h < shape.kv_heads; ++h)
-        ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + p.query_block)});
+        ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + query_block)});
   // The items are dealt round-robin into lanes, a few per hardware thread; the parallel-for runs
   // the lanes, and a lane runs its items one after another in a scratch of its own. The scratch
   // thus grows with the machine, not with the prompt, and stays warm from item to item; and as
@@ -407,7 +423,7 @@ void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seq
   // lane's scratch starts on a cache line (per_lane is a whole number of them).
   const std::int64_t n_items = static_cast<std::int64_t>(ws.items.size());
   const std::int64_t lanes = std::min<std::int64_t>(n_items, std::int64_t{prefill_impl::kLanesPerThread} * hardware_threads());
-  const std::int64_t per_lane = prefill_impl::ScratchLayout::of<Isa>(group * p.query_block, D).floats;
+  const std::int64_t per_lane = prefill_impl::ScratchLayout::of<Isa>(std::int64_t{group} * query_block, D).floats;
   const std::size_t scratch_floats = static_cast<std::size_t>(per_lane * lanes + detail::kLineFloats);
   if (ws.scratch.size() < scratch_floats) ws.scratch.resize(scratch_floats);
   float* const scratch_base = detail::align_to_line(ws.scratch.data());
