@@ -2,8 +2,15 @@
 // straightforward Eigen implementation, both judged by the bytes of K/V they must read.
 //
 //   decode/<impl>/<shape>/<dtype>/ctx:C/batch:B/threads:N/real_time
-//     impl   kvattn: kvattn::decode<Plain> (SerialFor for N = 1, a ThreadPool of N for N = 2;
-//                    DecodeParams::threads = N, split-KV chunks chosen by decode itself).
+//     impl   kvattn: kvattn::decode with kvattn::Plain (SerialFor for N = 1, a ThreadPool of N for
+//                    N = 2). The step's DecodePlan is made once, before the timing loop, for
+//                    that parallel-for (split-KV chunks chosen by the plan), and every timed call
+//                    reuses it, as every layer of an engine's step does.
+//            kvattn_sinks: the same with kvattn::Sinks (one sink logit per query head, gpt-oss),
+//            kvattn_alibi: the same with kvattn::Alibi (kvattn::alibi_slopes(32), BLOOM / MPT);
+//                    gqa32x8 only, at every (C, B, N) of the plain rows, measured and reported
+//                    exactly as they are, so that a filter such as
+//                    'decode/kvattn.*/gqa32x8/bf16/ctx:16384' puts a policy's cost beside plain.
 //            eigen:  the baseline a user would write with Eigen (eigen_attend below): for every
 //                    sequence and query head, gather that head's K and V rows page by page into
 //                    contiguous float matrices (Eigen's vectorized cast), scores = K · q (GEMV),
@@ -29,7 +36,7 @@
 // whose K/V fits kMaxCacheBytes (4 GiB), for the baseline every one that fits kEigenMaxBytes
 // (1 GiB: it materializes float copies and runs 5-20x longer, and --benchmark_min_time=0.01
 // must stay a quick smoke run). Skipped:
-//   both:     mha32x32 C = 64K B = 16 (16 GiB of K/V);
+//   all:      mha32x32 C = 64K B = 16 (16 GiB of K/V);
 //   eigen:    gqa32x8 C = 64K B = 16 and mha32x32 C = 16K B = 16 (4 GiB each; kvattn runs them).
 //
 // The cache. One buffer of kMaxCacheBytes, on 2 MiB pages, is allocated and filled with random
@@ -55,8 +62,12 @@
 //
 // Peak memory: the 4 GiB buffer + the baseline's float copies of one head's K and V per thread
 // (2 x 32 MiB at 64K) + machine/read_bandwidth's buffer at the end (1 GiB here).
-// Runtime: about 2 minutes by default, 25 s with --benchmark_min_time=0.01 (CI), on 2 cores.
+// Runtime, on 2 cores: 80 s with --benchmark_min_time=0.01 (CI; a machine with a 480 MiB LLC,
+// whose tables and read buffer are larger), about 30 s of it the kvattn_sinks and kvattn_alibi
+// rows (--benchmark_filter=-decode/kvattn_ leaves them out); a few minutes by default.
 // A filter: --benchmark_filter='gqa32x8/bf16/ctx:16384' (-machine/ leaves the limits out).
+// A policy against plain, interleaved: --benchmark_filter='decode/kvattn.*/gqa32x8/bf16/ctx:16384/batch:1/threads:1'
+//   --benchmark_repetitions=3 --benchmark_enable_random_interleaving=true.
 // GCC 12 reports -Wmaybe-uninitialized inside Eigen's AVX-512 packet code (the baseline's
 // maxCoeff and GEMVs), wherever it inlines it (_mm512_undefined_ps: a false positive, GCC bug
 // 105593, as in kvattn/simd.hpp and bench/prefill.cpp); hence off for this whole file.
@@ -70,6 +81,7 @@
 #include <kvattn/memory.hpp>
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/parallel.hpp>
+#include <kvattn/policy.hpp>
 
 #include <Eigen/Core>
 
@@ -236,25 +248,61 @@ template <class T> struct Setup {
 
 // ---- kvattn ------------------------------------------------------------------------------------
 
-template <class T> void bm_kvattn(benchmark::State& state, GqaShape shape) {
+/// The score policies the kvattn rows are measured with.
+enum class Policy { plain, sinks, alibi };
+
+constexpr const char* policy_name(Policy p) {
+  return p == Policy::sinks ? "sinks" : p == Policy::alibi ? "alibi" : "plain";
+}
+
+/// The per-head values a policy points to: sink logits (standard normal, as learned ones are of
+/// that size) or ALiBi's published slopes; none for plain.
+std::vector<float> policy_values(Policy p, int q_heads) {
+  if (p == Policy::alibi) return kvattn::alibi_slopes(q_heads);
+  if (p == Policy::plain) return {};
+  std::vector<float> v(static_cast<std::size_t>(q_heads));
+  std::mt19937 gen(2024);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : v) x = normal(gen);
+  return v;
+}
+
+/// Calls f(policy) with the policy P over `values` (q_heads of them).
+template <Policy P, class F> void with_policy(const std::vector<float>& values, int q_heads, F&& f) {
+  if constexpr (P == Policy::sinks)
+    f(kvattn::Sinks{values.data(), q_heads});
+  else if constexpr (P == Policy::alibi)
+    f(kvattn::Alibi{values.data(), q_heads});
+  else
+    f(kvattn::Plain{});
+}
+
+template <class T, Policy Pol> void bm_kvattn(benchmark::State& state, GqaShape shape) {
   if (!have_pool(state)) return;
   Setup<T> s(state, shape);
   std::vector<float> lse(static_cast<std::size_t>(s.batch * shape.q_heads));
-  kvattn::DecodeParams params;
-  params.threads = s.threads;
-  kvattn::DecodeWorkspace ws;
+  const std::vector<float> values = policy_values(Pol, shape.q_heads);
+  kvattn::DecodePlan plan;
   std::size_t step = 0;
-  const auto start = std::chrono::steady_clock::now();
+  auto start = std::chrono::steady_clock::now();
   with_parallel_for(s.threads, [&](auto&& pf) {
-    for (auto _ : state) {
-      kvattn::decode(s.view(step++), shape, s.q.data(), s.out.data(), lse.data(), params, ws, pf);
-      benchmark::ClobberMemory();
-    }
+    with_policy<Pol>(values, shape.q_heads, [&](const auto& policy) {
+      // The step's plan, once: every table in rotation holds the same batch (B sequences of C
+      // tokens), as every layer of a step does.
+      plan.make(s.view(0), shape, kvattn::DecodeParams{}, pf);
+      start = std::chrono::steady_clock::now();
+      for (auto _ : state) {
+        kvattn::decode(s.view(step++), s.q.data(), s.out.data(), lse.data(), plan, pf, policy);
+        benchmark::ClobberMemory();
+      }
+    });
   });
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   kvattn::bench::report_bytes(state, s.bytes);
   kvattn::bench::report_read_fraction(state, static_cast<double>(state.iterations()) * static_cast<double>(s.bytes) / seconds, s.threads);
-  state.SetLabel(s.label("kvattn " + std::string(kvattn::isa::native::name)));
+  std::string what = "kvattn " + std::string(kvattn::isa::native::name);
+  if (Pol != Policy::plain) what += std::string(", ") + policy_name(Pol);
+  state.SetLabel(s.label(what));
 }
 
 // ---- the Eigen baseline ------------------------------------------------------------------------
@@ -337,11 +385,10 @@ template <class T> void bm_eigen(benchmark::State& state, GqaShape shape) {
   auto found = checked.find(key);
   if (found == checked.end()) {
     std::vector<float> ref(s.out.size());
-    kvattn::DecodeWorkspace ws;
-    kvattn::DecodeParams params;
-    params.threads = s.threads;
+    kvattn::DecodePlan plan;
     with_parallel_for(s.threads, [&](auto&& pf) {
-      kvattn::decode(s.view(step - 1), shape, s.q.data(), ref.data(), nullptr, params, ws, pf);
+      plan.make(s.view(step - 1), shape, kvattn::DecodeParams{}, pf);
+      kvattn::decode(s.view(step - 1), s.q.data(), ref.data(), nullptr, plan, pf);
     });
     double err = 0;  // a NaN anywhere makes it NaN, which fails the check below
     for (std::size_t i = 0; i < ref.size(); ++i) {
@@ -360,11 +407,21 @@ template <class T> void bm_eigen(benchmark::State& state, GqaShape shape) {
 
 // ---- registration ------------------------------------------------------------------------------
 
-template <class T> void register_family(const std::string& shape_name, const GqaShape& shape) {
+/// Registers the rows of one (shape, type): plain kvattn, the baseline and, with `policies`,
+/// kvattn with sinks and with ALiBi, at the same configurations as plain.
+template <class T> void register_family(const std::string& shape_name, const GqaShape& shape, bool policies) {
   const std::string suffix = "/" + shape_name + "/" + type_name<T>();
-  auto* kv = benchmark::RegisterBenchmark(("decode/kvattn" + suffix).c_str(), bm_kvattn<T>, shape);
-  auto* eigen = benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape);
-  for (auto [b, limit] : {std::pair{kv, kMaxCacheBytes}, std::pair{eigen, kEigenMaxBytes}}) {
+  std::vector<std::pair<benchmark::internal::Benchmark*, std::int64_t>> families;
+  families.emplace_back(benchmark::RegisterBenchmark(("decode/kvattn" + suffix).c_str(), bm_kvattn<T, Policy::plain>, shape),
+                        kMaxCacheBytes);
+  if (policies) {
+    families.emplace_back(
+        benchmark::RegisterBenchmark(("decode/kvattn_sinks" + suffix).c_str(), bm_kvattn<T, Policy::sinks>, shape), kMaxCacheBytes);
+    families.emplace_back(
+        benchmark::RegisterBenchmark(("decode/kvattn_alibi" + suffix).c_str(), bm_kvattn<T, Policy::alibi>, shape), kMaxCacheBytes);
+  }
+  families.emplace_back(benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape), kEigenMaxBytes);
+  for (auto [b, limit] : families) {
     b->ArgNames({"ctx", "batch", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
     for (int batch : kBatches)
       for (std::int64_t ctx : kContexts)
@@ -376,10 +433,10 @@ template <class T> void register_family(const std::string& shape_name, const Gqa
 // In this order (grouped by pool, which is built once per group); the machine limits run last.
 const bool registered = [] {
   const GqaShape gqa = GqaShape::gqa(kQHeads, 8, kHeadDim), mha = GqaShape::mha(kQHeads, kHeadDim);
-  register_family<bf16>("gqa32x8", gqa);
-  register_family<fp16>("gqa32x8", gqa);
-  register_family<bf16>("mha32x32", mha);
-  register_family<fp16>("mha32x32", mha);
+  register_family<bf16>("gqa32x8", gqa, true);
+  register_family<fp16>("gqa32x8", gqa, true);
+  register_family<bf16>("mha32x32", mha, false);
+  register_family<fp16>("mha32x32", mha, false);
   kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();

@@ -2,16 +2,18 @@
 // heads of 128; bf16 latents, pages of 16 tokens), one query per sequence per step:
 //
 //   mla/folded/bf16/ctx:C/batch:B/threads:N     mla_decode: scores straight against the cached
-//       latents, values mixed in latent space. FLOP/s = 2 · heads · (576 + 512) per token and
-//       sequence (compare with machine/fma_peak_f32 for N threads, printed at the end of the
-//       same run); bytes_per_second = cached bytes read (576 bf16 per token).
+//       latents, values mixed in latent space (the step's DecodePlan made once, before the
+//       timing loop, and reused by every timed call, as by every layer of an engine's step).
+//       FLOP/s = 2 · heads · (576 + 512) per token and sequence (compare with
+//       machine/fma_peak_f32 for N threads, printed at the end of the same run);
+//       bytes_per_second = cached bytes read (576 bf16 per token).
 //   mla/unfolded/bf16/ctx:C/batch:1/threads:N   the same step the unfolded way: every token's
 //       per-head key (W_UK,i c) and value (W_UV,i c) rebuilt from its latent with Eigen
 //       (matrix products), then each head's attention; heads shared out among the threads.
 //       Its FLOP/s counts the rebuild and the attention.
 //   mla/mha128/bf16/ctx:C/batch:B/threads:N     decode() with 128 MHA heads of 128 at the same
-//       context: what the cache would hold and read without the latent (bytes_per_second
-//       against machine/read_bandwidth).
+//       context (its plan made once, as for mla/folded): what the cache would hold and read
+//       without the latent (bytes_per_second against machine/read_bandwidth).
 //
 // Time per step is each benchmark's Time column (ms), so the three can be compared directly at
 // the same ctx, batch and threads. The absorption of the query (W_UK,iᵀ q_i^C) and the output's
@@ -114,12 +116,11 @@ void bm_folded(benchmark::State& state) {
   const auto& f = Filled<MlaShape>::get(kShape, ctx, batch);
   const auto q = normal(std::size_t(batch) * kShape.heads * kK, 1, 0.3f);
   std::vector<float> out(std::size_t(batch) * kShape.heads * kShape.latent_dim);
-  kvattn::MlaDecodeParams p;
-  p.threads = threads;
-  kvattn::MlaDecodeWorkspace ws;
+  kvattn::DecodePlan plan;
   with_parallel_for(threads, [&](auto&& pf) {
+    plan.make(f.view(), kShape, kvattn::DecodeParams{}, pf);  // the step's plan, once
     for (auto _ : state) {
-      kvattn::mla_decode(f.view(), kShape, q.data(), out.data(), nullptr, p, ws, pf);
+      kvattn::mla_decode(f.view(), q.data(), out.data(), nullptr, plan, pf);
       benchmark::ClobberMemory();
     }
   });
@@ -185,12 +186,11 @@ void bm_mha(benchmark::State& state) {
   const auto& f = Filled<kvattn::GqaShape>::get(shape, ctx, batch);
   const auto q = normal(std::size_t(batch) * shape.q_heads * shape.head_dim, 5);
   std::vector<float> out(q.size());
-  kvattn::DecodeParams p;
-  p.threads = threads;
-  kvattn::DecodeWorkspace ws;
+  kvattn::DecodePlan plan;
   with_parallel_for(threads, [&](auto&& pf) {
+    plan.make(f.view(), shape, kvattn::DecodeParams{}, pf);  // the step's plan, once
     for (auto _ : state) {
-      kvattn::decode(f.view(), shape, q.data(), out.data(), nullptr, p, ws, pf);
+      kvattn::decode(f.view(), q.data(), out.data(), nullptr, plan, pf);
       benchmark::ClobberMemory();
     }
   });

@@ -61,25 +61,31 @@ int main() {
   for (auto* cache : {&unfolded_cache, &folded_cache}) {
     const kvattn::SeqId seq = cache == &unfolded_cache ? a : b;
     cache->append(seq, 40);
-    kvattn::mla_prefill(weights, *cache, seq, /*layer*/ 0, /*count*/ 40, prompt.data(), out.data(), ws);
+    // A batch of one chunk: the sequence's last 40 tokens (all of it).
+    kvattn::mla_prefill(weights, *cache, /*layer*/ 0, kvattn::ChunkBatch{{seq, 40}}, prompt.data(), out.data(), ws);
   }
 
   // 4. Decode five tokens both ways and compare. (A real decoder would feed each step's output
   //    through the rest of the model; here the next hidden state is random.)
   std::vector<float> y_unfolded(hidden), y_folded(hidden);
   kvattn::BatchPageTable table;
+  kvattn::DecodePlan plan;  // kept across steps: it reuses its memory
   double worst = 0;
   for (int step = 0; step < 5; ++step) {
     const auto h = random(1, hidden);
     // Unfolded: append the token, then rebuild every cached token's keys and values.
     unfolded_cache.append(a, 1);
-    kvattn::mla_prefill(weights, unfolded_cache, a, 0, 1, h.data(), y_unfolded.data(), ws);
-    // Folded: append the token, write its latent, then attend straight over the latents.
+    kvattn::mla_prefill(weights, unfolded_cache, 0, kvattn::ChunkBatch{{a, 1}}, h.data(), y_unfolded.data(), ws);
+    // Folded: append the token, write its latent, then plan the step (once, for every layer of
+    // a real model; scale 0, as the fold carries the softmax scale) and attend straight over
+    // the latents.
     folded_cache.append(b, 1);
     const std::int64_t position = folded_cache.length(b) - 1;
     kvattn::mla_append(weights, folded_cache, b, 0, position, 1, h.data(), ws);
     folded_cache.build_page_table(&b, 1, table);
-    kvattn::mla_decode_layer(folded, folded_cache.view(table, 0), h.data(), y_folded.data(), kvattn::MlaDecodeParams{}, ws);
+    const kvattn::PagedKvView<kvattn::bf16> view = folded_cache.view(table, 0);
+    plan.make(view, folded.shape, kvattn::DecodeParams{}, kvattn::SerialFor{});
+    kvattn::mla_decode_layer(folded, view, h.data(), y_folded.data(), plan, ws);
 
     double diff = 0, size = 0;
     for (int i = 0; i < hidden; ++i) {

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "policy_checks.hpp"
 #include "reference.hpp"
 
 namespace checks {
@@ -60,17 +61,19 @@ inline void expect_lse_close(const std::vector<float>& got, const std::vector<do
 }
 
 /// decode()'s out [B][Q][q_heads][D] and lse [B][Q][q_heads] for q of the same shape against the
-/// reference, sequence by sequence: |out − ref| <= (2e-5 + 2·e_s)·vmax + 2e-5·|ref| and
-/// |lse − ref| <= 2e-5·(1 + |ref|) + e_s (an infinite lse matched exactly).
-template <class T>
+/// reference, sequence by sequence (options(b): sequence b's variant): |out − ref| <=
+/// (2e-5 + 2·e_s)·vmax + 2e-5·|ref| and |lse − ref| <= 2e-5·(1 + |ref|) + e_s (an infinite lse
+/// matched exactly).
+template <class T, class Options>
 void expect_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs,
                            const kvattn::GqaShape& shape, const std::vector<float>& q, const std::vector<float>& out,
-                           const std::vector<float>& lse, const reference::Options& o, double vmax, double e_s) {
-  const std::size_t Q = static_cast<std::size_t>(o.queries_per_seq), H = static_cast<std::size_t>(shape.q_heads),
-                    D = static_cast<std::size_t>(shape.head_dim);
+                           const std::vector<float>& lse, Options&& options, double vmax, double e_s) {
+  const std::size_t H = static_cast<std::size_t>(shape.q_heads), D = static_cast<std::size_t>(shape.head_dim);
   std::vector<double> ref, ref_lse;
   int reported = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
+    const reference::Options o = options(b);
+    const std::size_t Q = static_cast<std::size_t>(o.queries_per_seq);
     reference::decode(cache, seqs[b], 0, shape, q.data() + b * Q * H * D, o, ref, ref_lse);
     for (std::size_t j = 0; j < ref.size(); ++j) {
       const float got = out[b * Q * H * D + j];
@@ -90,7 +93,7 @@ void expect_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::vect
 // ---- decode cases ----------------------------------------------------------------------------
 
 /// One decode test: the head layout, the cache's page size, the batch's sequence lengths, and
-/// the operator's parameters.
+/// the operator's parameters (window and soft_cap: the values of the policies that use them).
 struct DecodeCase {
   kvattn::GqaShape shape;
   int page_size;
@@ -110,15 +113,18 @@ inline std::string describe(const DecodeCase& c) {
   return s;
 }
 
-/// The case's DecodeParams, for a parallel-for of `threads` threads.
-inline kvattn::DecodeParams decode_params(const DecodeCase& c, int threads = 1) {
+/// The case's DecodeParams.
+inline kvattn::DecodeParams decode_params(const DecodeCase& c) {
   kvattn::DecodeParams p;
   p.queries_per_seq = c.queries;
-  p.window = c.window;
-  p.soft_cap = c.soft_cap;
   p.chunk_tokens = c.chunk;
-  p.threads = threads;
   return p;
+}
+
+/// The values of every policy for the case's call (policy_checks::Values), from its seed.
+inline policy_checks::Values policy_values(const DecodeCase& c) {
+  return policy_checks::Values(c.shape.q_heads, policy_checks::uniform_indptr(c.lengths.size(), c.queries), c.window,
+                               c.soft_cap, static_cast<unsigned>(c.lengths.size() * 31 + c.shape.q_heads));
 }
 
 /// A one-layer cache holding the case's sequences, keys and values uniform in [-1, 1], and the
@@ -161,16 +167,14 @@ template <class T> struct DecodeInputs {
   }
 };
 
-/// expect_decode_matches for a case: its options, max|v| and score rounding.
-template <class T>
-void expect_decode_case_matches(const DecodeInputs<T>& in, const DecodeCase& c, const std::vector<float>& out,
-                                const std::vector<float>& lse) {
-  reference::Options o;
-  o.queries_per_seq = c.queries;
-  o.window = c.window;
-  o.soft_cap = c.soft_cap;
+/// expect_decode_matches for a case run with policy P of `values`: the reference's options, max|v|
+/// and score rounding.
+template <class P, class T>
+void expect_decode_case_matches(const DecodeInputs<T>& in, const DecodeCase& c, const policy_checks::Values& values,
+                                const std::vector<float>& out, const std::vector<float>& lse) {
   const double e_s = std::ldexp(1.0, -23) * c.q_scale * std::sqrt(double(c.shape.head_dim));  // scale · D = sqrt(D)
-  expect_decode_matches(in.cache, in.seqs, c.shape, in.q, out, lse, o, in.vmax, e_s);
+  expect_decode_matches(in.cache, in.seqs, c.shape, in.q, out, lse,
+                        [&](std::size_t b) { return policy_checks::options<P>(values, b); }, in.vmax, e_s);
 }
 
 }  // namespace checks

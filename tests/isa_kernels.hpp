@@ -17,32 +17,50 @@
 #include <kvattn/prefill.hpp>
 #include <kvattn/rope.hpp>
 
+#include "policy_checks.hpp"
+
 #include <cstddef>
 #include <cstdint>
 
 namespace isa_kernels {
 
-/// The attention variant, chosen at run time here and mapped to kvattn's compile-time Variant.
-struct Variant {
-  bool sliding_window = false;
-  bool soft_cap = false;
-};
+/// The score policy, chosen at run time here and mapped to kvattn's policy types: the plain
+/// kernel, the window, the soft-cap, both, and every hook at once (All).
+enum class Policy { plain, window, soft_cap, window_soft_cap, all };
+using All = kvattn::Compose<kvattn::SlidingWindow, kvattn::SoftCap, kvattn::Alibi, kvattn::Sinks, kvattn::TreeMask>;
 
-/// The kernels for instruction set Isa (kvattn::isa::avx2 or avx512) and storage type T.
-/// `pool` null: kvattn::SerialFor; otherwise the work runs on it.
+template <class P> struct PolicyTag {
+  using type = P;
+};
+/// Calls fn(PolicyTag<P>{}) for the policy type `which` names.
+template <class Fn> void with_policy(Policy which, Fn&& fn) {
+  switch (which) {
+    case Policy::plain: fn(PolicyTag<kvattn::Plain>{}); break;
+    case Policy::window: fn(PolicyTag<kvattn::SlidingWindow>{}); break;
+    case Policy::soft_cap: fn(PolicyTag<kvattn::SoftCap>{}); break;
+    case Policy::window_soft_cap: fn(PolicyTag<kvattn::Compose<kvattn::SlidingWindow, kvattn::SoftCap>>{}); break;
+    case Policy::all: fn(PolicyTag<All>{}); break;
+  }
+}
+
+/// The kernels for instruction set Isa (kvattn::isa::avx2 or avx512) and storage type T, with the
+/// policy `which` made from `values` (policy_checks::make). `pool` null: kvattn::SerialFor;
+/// otherwise the work runs on it (and the plan is made for its threads).
 template <class Isa, class T> struct Kernels {
-  /// kvattn::decode<Variant<...>>(view, shape, q, out, lse, params, ..., Isa{}).
+  /// kvattn::decode(view, q, out, lse, plan, ..., policy, Isa{}), the plan made of `params`.
   static void decode(const kvattn::PagedKvView<T>& view, const kvattn::GqaShape& shape, const float* q, float* out,
-                     float* lse, const kvattn::DecodeParams& params, Variant variant, kvattn::ThreadPool* pool);
-  /// kvattn::prefill<Variant<...>>(..., Isa{}) of the last n tokens of `seq` (appended already)
-  /// in layer 0: q [n][q_heads][head_dim], k and v [n][kv_heads][head_dim], out like q,
-  /// lse [n][q_heads].
+                     float* lse, const kvattn::DecodeParams& params, Policy which, const policy_checks::Values& values,
+                     kvattn::ThreadPool* pool);
+  /// kvattn::prefill(..., policy, Isa{}) of the last n tokens of `seq` (appended already) in layer 0:
+  /// q [n][q_heads][head_dim], k and v [n][kv_heads][head_dim], out like q, lse [n][q_heads].
   static void prefill(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, std::int64_t n, const kvattn::GqaShape& shape,
                       const float* q, const float* k, const float* v, float* out, float* lse,
-                      const kvattn::PrefillParams& params, Variant variant, kvattn::ThreadPool* pool);
-  /// kvattn::mla_decode(view, shape, q, out, lse, params, ..., Isa{}).
+                      const kvattn::PrefillParams& params, Policy which, const policy_checks::Values& values,
+                      kvattn::ThreadPool* pool);
+  /// kvattn::mla_decode(view, q, out, lse, plan, ..., policy, Isa{}).
   static void mla_decode(const kvattn::PagedKvView<T>& view, const kvattn::MlaShape& shape, const float* q, float* out,
-                         float* lse, const kvattn::MlaDecodeParams& params, kvattn::ThreadPool* pool);
+                         float* lse, const kvattn::DecodeParams& params, Policy which, const policy_checks::Values& values,
+                         kvattn::ThreadPool* pool);
   /// kvattn::convert_row(Isa{}, ...): src [n] -> dst [n], T to fp32 and fp32 to T.
   static void widen(const T* src, float* dst, std::size_t n) noexcept;
   static void narrow(const float* src, T* dst, std::size_t n) noexcept;

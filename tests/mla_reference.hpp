@@ -15,6 +15,9 @@
 
 #include <gtest/gtest.h>
 
+#include "policy_checks.hpp"
+#include "reference.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -26,11 +29,12 @@
 
 namespace reference {
 
-/// out [Q][heads][latent_dim], lse [Q][heads] of one sequence; q [Q][heads][latent_dim + rope_dim].
+/// out [Q][heads][latent_dim], lse [Q][heads] of one sequence; q [Q][heads][latent_dim + rope_dim];
+/// the variant (and Q) in `o` (o.scale must be set).
 template <class T>
 void mla_attention(const kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, const kvattn::MlaShape& s, const float* q,
-                   int Q, double scale, std::vector<double>& out, std::vector<double>& lse) {
-  const int H = s.heads, Dc = s.latent_dim, K = s.latent_dim + s.rope_dim;
+                   const Options& o, std::vector<double>& out, std::vector<double>& lse) {
+  const int Q = o.queries_per_seq, H = s.heads, Dc = s.latent_dim, K = s.latent_dim + s.rope_dim;
   const std::int64_t L = cache.length(seq);
   std::vector<float> rows(static_cast<std::size_t>(L * K));
   for (std::int64_t t = 0; t < L; ++t) cache.read_latent(seq, 0, t, &rows[t * K], &rows[t * K + Dc]);
@@ -38,26 +42,16 @@ void mla_attention(const kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, cons
   lse.assign(static_cast<std::size_t>(Q) * H, -std::numeric_limits<double>::infinity());
   std::vector<double> sc(static_cast<std::size_t>(L));
   for (int i = 0; i < Q; ++i) {
-    const std::int64_t seen = L - Q + i + 1;  // positions 0 .. L − Q + i
+    const std::int64_t qpos = L - Q + i;
     for (int h = 0; h < H; ++h) {
       const float* qv = q + (std::int64_t{i} * H + h) * K;
-      double m = -std::numeric_limits<double>::infinity();
-      for (std::int64_t t = 0; t < seen; ++t) {
+      for (std::int64_t t = 0; t < L; ++t) {
         double dot = 0;
         for (int k = 0; k < K; ++k) dot += double(qv[k]) * rows[t * K + k];
-        sc[t] = dot * scale;
-        m = std::max(m, sc[t]);
+        sc[t] = logit(o, dot * o.scale, h, i, qpos, L - Q, t);
       }
-      if (seen <= 0) continue;
-      double d = 0;
-      double* o = &out[(std::size_t(i) * H + h) * Dc];
-      for (std::int64_t t = 0; t < seen; ++t) {
-        const double p = std::exp(sc[t] - m);
-        d += p;
-        for (int c = 0; c < Dc; ++c) o[c] += p * rows[t * K + c];
-      }
-      for (int c = 0; c < Dc; ++c) o[c] /= d;
-      lse[std::size_t(i) * H + h] = m + std::log(d);
+      lse[std::size_t(i) * H + h] =
+          softmax_row(o, h, sc, Dc, &out[(std::size_t(i) * H + h) * Dc], [&](std::int64_t t, int c) { return double(rows[t * K + c]); });
     }
   }
 }
@@ -67,11 +61,12 @@ void mla_attention(const kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, cons
 namespace checks {
 
 /// mla_decode's out [B][Q][heads][latent_dim] and lse [B][Q][heads] for q [B][Q][heads][K] of
-/// entries at most q_scale, latents at most 1, default scale, against reference::mla_attention.
-template <class T>
+/// entries at most q_scale, latents at most 1, default scale, against reference::mla_attention
+/// with sequence b's variant options(b) (its queries_per_seq is Q).
+template <class T, class Options>
 void expect_mla_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs,
                                const kvattn::MlaShape& s, const std::vector<float>& q, int Q, const std::vector<float>& out,
-                               const std::vector<float>& lse, double q_scale) {
+                               const std::vector<float>& lse, double q_scale, Options&& options) {
   const std::size_t H = static_cast<std::size_t>(s.heads), Dc = static_cast<std::size_t>(s.latent_dim),
                     K = Dc + static_cast<std::size_t>(s.rope_dim);
   const double scale = 1.0 / std::sqrt(double(s.qk_head_dim()));
@@ -79,7 +74,9 @@ void expect_mla_decode_matches(const kvattn::PagedKvCache<T>& cache, const std::
   std::vector<double> ref, ref_lse;
   int reported = 0;
   for (std::size_t b = 0; b < seqs.size(); ++b) {
-    reference::mla_attention(cache, seqs[b], s, q.data() + b * Q * H * K, Q, scale, ref, ref_lse);
+    reference::Options o = options(b);
+    o.scale = scale;
+    reference::mla_attention(cache, seqs[b], s, q.data() + b * Q * H * K, o, ref, ref_lse);
     for (std::size_t j = 0; j < ref.size(); ++j) {
       const float got = out[b * Q * H * Dc + j];
       const double bound = (2e-5 + 2 * e_s) + 2e-5 * std::abs(ref[j]);
@@ -107,7 +104,7 @@ inline std::vector<float> uniform(std::size_t n, unsigned seed, float scale = 1.
 }
 
 /// One MLA decode test: the head layout, the cache's page size, the batch's sequence lengths,
-/// and the operator's parameters.
+/// and the operator's parameters (window and soft_cap: the values of the policies that use them).
 struct MlaCase {
   kvattn::MlaShape shape;
   int page_size;
@@ -115,6 +112,8 @@ struct MlaCase {
   int queries = 1;
   float q_scale = 1.0f;
   std::int64_t chunk_tokens = 0;
+  std::int64_t window = 0;
+  float soft_cap = 0.0f;
 };
 
 inline std::string describe(const MlaCase& c) {
@@ -125,13 +124,18 @@ inline std::string describe(const MlaCase& c) {
                                 " lengths=", l);
 }
 
-/// The case's MlaDecodeParams, for a parallel-for of `threads` threads.
-inline kvattn::MlaDecodeParams mla_params(const MlaCase& c, int threads = 1) {
-  kvattn::MlaDecodeParams p;
+/// The case's DecodeParams.
+inline kvattn::DecodeParams mla_params(const MlaCase& c) {
+  kvattn::DecodeParams p;
   p.queries_per_seq = c.queries;
   p.chunk_tokens = c.chunk_tokens;
-  p.threads = threads;
   return p;
+}
+
+/// The values of every policy for the case's call (policy_checks::Values), from its seed.
+inline policy_checks::Values policy_values(const MlaCase& c) {
+  return policy_checks::Values(c.shape.heads, policy_checks::uniform_indptr(c.lengths.size(), c.queries), c.window, c.soft_cap,
+                               static_cast<unsigned>(c.lengths.size() * 17 + c.shape.heads));
 }
 
 /// A one-layer cache holding random latent rows (uniform in [-1, 1)) for each of the case's

@@ -179,16 +179,16 @@ void run_chunks(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, int layer, co
   for (auto c : chunks) total += c;
   out.assign(static_cast<std::size_t>(total) * s.q_heads * s.head_dim, 7.0f);
   lse.assign(static_cast<std::size_t>(total) * s.q_heads, 7.0f);
-  kvattn::PrefillWorkspace ws;
+  kvattn::PrefillPlan plan;
   kvattn::ThreadPool pool(2);
   std::int64_t done = 0;
   for (auto n : chunks) {
     cache.append(seq, n);
-    const std::int64_t indptr[2] = {0, n};
+    plan.make(cache, {{seq, n}}, s, params, pool);
     const std::size_t qo = static_cast<std::size_t>(done) * s.q_heads * s.head_dim;
     const std::size_t kv = static_cast<std::size_t>(done) * s.kv_heads * s.head_dim;
-    kvattn::prefill(cache, layer, {seq}, indptr, s, pr.q.data() + qo, pr.k.data() + kv, pr.v.data() + kv, out.data() + qo,
-                    lse.data() + static_cast<std::size_t>(done) * s.q_heads, params, ws, pool, Isa{});
+    kvattn::prefill(cache, layer, pr.q.data() + qo, pr.k.data() + kv, pr.v.data() + kv, out.data() + qo,
+                    lse.data() + static_cast<std::size_t>(done) * s.q_heads, plan, pool, kvattn::Plain{}, Isa{});
     done += n;
   }
 }
@@ -306,16 +306,16 @@ template <class T, class Isa> void check_decode_after_write_kv(const RopeConfig&
   const kvattn::SeqId sa[2] = {a.add_sequence(), a.add_sequence()};
   kvattn::PrefillParams params;
   params.rope = &rope;
-  kvattn::PrefillWorkspace pws;
+  kvattn::PrefillPlan plan;
   std::vector<float> out[2], lse[2];
   for (int b = 0; b < 2; ++b) {
     out[b].assign(static_cast<std::size_t>(N[b] * qrow), 7.0f);
     lse[b].assign(static_cast<std::size_t>(N[b] * s.q_heads), 7.0f);
   }
   a.append(sa[1], 53);
-  const std::int64_t first_indptr[2] = {0, 53};
-  kvattn::prefill(a, 0, {sa[1]}, first_indptr, s, pr[1].q.data(), pr[1].k.data(), pr[1].v.data(), out[1].data(), lse[1].data(),
-                  params, pws, kvattn::SerialFor{}, Isa{});
+  plan.make(a, {{sa[1], 53}}, s, params, 1);
+  kvattn::prefill(a, 0, pr[1].q.data(), pr[1].k.data(), pr[1].v.data(), out[1].data(), lse[1].data(), plan, kvattn::SerialFor{},
+                  kvattn::Plain{}, Isa{});
   a.append(sa[0], 77);
   a.append(sa[1], 77);
   std::vector<float> q(static_cast<std::size_t>(154 * qrow)), k(static_cast<std::size_t>(154 * krow)), v(k.size());
@@ -326,9 +326,9 @@ template <class T, class Isa> void check_decode_after_write_kv(const RopeConfig&
     std::copy(pr[b].k.begin() + skip * krow, pr[b].k.end(), k.begin() + 77 * b * krow);
     std::copy(pr[b].v.begin() + skip * krow, pr[b].v.end(), v.begin() + 77 * b * krow);
   }
-  const std::int64_t batch_indptr[3] = {0, 77, 154};
   kvattn::ThreadPool pool(2);
-  kvattn::prefill(a, 0, {sa[0], sa[1]}, batch_indptr, s, q.data(), k.data(), v.data(), o.data(), l.data(), params, pws, pool, Isa{});
+  plan.make(a, {{sa[0], 77}, {sa[1], 77}}, s, params, pool);
+  kvattn::prefill(a, 0, q.data(), k.data(), v.data(), o.data(), l.data(), plan, pool, kvattn::Plain{}, Isa{});
   for (int b = 0; b < 2; ++b) {
     const std::int64_t skip = N[b] - 77;
     std::copy(o.begin() + 77 * b * qrow, o.begin() + 77 * (b + 1) * qrow, out[b].begin() + skip * qrow);
@@ -372,8 +372,9 @@ template <class T, class Isa> void check_decode_after_write_kv(const RopeConfig&
     std::vector<float> dout(dq.size()), dlse(static_cast<std::size_t>(2 * Q * s.q_heads));
     kvattn::DecodeParams dp;
     dp.queries_per_seq = Q;
-    kvattn::DecodeWorkspace dws;
-    kvattn::decode(view, s, dq.data(), dout.data(), dlse.data(), dp, dws, kvattn::SerialFor{}, Isa{});
+    kvattn::DecodePlan dplan;
+    dplan.make(view, s, dp, 1);
+    kvattn::decode(view, dq.data(), dout.data(), dlse.data(), dplan, kvattn::SerialFor{}, kvattn::Plain{}, Isa{});
     for (int b = 0; b < 2; ++b) {
       const std::vector<double> last(out[b].end() - Q * qrow, out[b].end());
       const std::vector<double> last_lse(lse[b].end() - Q * s.q_heads, lse[b].end());
@@ -590,23 +591,19 @@ TEST(RopeAppendErrors, PrefillChecksTheRopeFirst) {
   cache.append(seq, 10);
   const Prompt pr = random_prompt(s, 10, 2);
   std::vector<float> out(pr.q.size());
-  kvattn::PrefillWorkspace ws;
+  kvattn::PrefillPlan plan;
   const kvattn::Rope narrow(RopeConfig{RopeStyle::gptj, 32, 0, 10000.0});
   const kvattn::Rope rope(RopeConfig{RopeStyle::gptj, 64, 0, 10000.0});
   kvattn::PrefillParams p;
   p.rope = &narrow;
-  const std::int64_t fine[2] = {0, 10}, too_many[2] = {0, 11};
   const auto before = cache_snapshot::snapshot(cache);
-  expect_error<kvattn::shape_error>(
-      [&] { kvattn::prefill(cache, 0, {seq}, fine, s, pr.q.data(), pr.k.data(), pr.v.data(), out.data(), nullptr, p, ws); },
-      {"prefill", "rope head_dim=32", "head_dim=64"});
+  expect_error<kvattn::shape_error>([&] { plan.make(cache, {{seq, 10}}, s, p, 1); },
+                                    {"PrefillPlan::make", "rope head_dim=32", "head_dim=64"});
   p.rope = &rope;
+  expect_error<kvattn::invalid_argument>([&] { plan.make(cache, {{seq, 11}}, s, p, 1); }, {"append the chunk first"});
+  plan.make(cache, {{seq, 10}}, s, p, 1);
   expect_error<kvattn::invalid_argument>(
-      [&] { kvattn::prefill(cache, 0, {seq}, too_many, s, pr.q.data(), pr.k.data(), pr.v.data(), out.data(), nullptr, p, ws); },
-      {"append the chunk first"});
-  expect_error<kvattn::invalid_argument>(
-      [&] { kvattn::prefill(cache, 1, {seq}, fine, s, pr.q.data(), pr.k.data(), pr.v.data(), out.data(), nullptr, p, ws); },
-      {"layer=1"});
+      [&] { kvattn::prefill(cache, 1, pr.q.data(), pr.k.data(), pr.v.data(), out.data(), nullptr, plan); }, {"prefill", "layer=1"});
   EXPECT_TRUE(cache_snapshot::same_state(before, cache_snapshot::snapshot(cache)));
 }
 

@@ -1,4 +1,4 @@
-// Decode with a logit soft-cap (Variant<false, true>: scores become cap · tanh(score / cap))
+// Decode with a logit soft-cap (the SoftCap policy: scores become cap · tanh(score / cap))
 // against the reference, with the bounds of test_decode.cpp. Large queries make the cap bite.
 #include <kvattn/decode.hpp>
 
@@ -10,7 +10,7 @@ namespace {
 
 using kvattn::GqaShape;
 using Case = decode_check::Case;
-using SoftCap = kvattn::Variant<false, true>;
+using kvattn::SoftCap;
 
 template <class P> class DecodeSoftCap : public ::testing::Test {};
 TYPED_TEST_SUITE(DecodeSoftCap, decode_check::Isas);
@@ -25,7 +25,7 @@ TYPED_TEST(DecodeSoftCap, CapsTheLogits) {
 TYPED_TEST(DecodeSoftCap, SplitAcrossThreads) {
   using Isa = typename TypeParam::type;
   kvattn::ThreadPool pool(3);
-  decode_check::check_all_storage<SoftCap, Isa>(Case{GqaShape::gqa(8, 8, 128), 16, {900, 17}, 1, 0, 20.0f, 100, 30.0f}, pool, 3);
+  decode_check::check_all_storage<SoftCap, Isa>(Case{GqaShape::gqa(8, 8, 128), 16, {900, 17}, 1, 0, 20.0f, 100, 30.0f}, pool);
 }
 
 }  // namespace

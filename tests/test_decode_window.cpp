@@ -1,4 +1,4 @@
-// Decode with a sliding window (Variant<true, false>: each query attends to its last `window`
+// Decode with a sliding window (the SlidingWindow policy: each query attends to its last `window`
 // positions) against the reference, with the bounds of test_decode.cpp. Windows of 1 (only the
 // query's own position), shorter and longer than a page, and one wider than every context.
 #include <kvattn/decode.hpp>
@@ -11,7 +11,7 @@ namespace {
 
 using kvattn::GqaShape;
 using Case = decode_check::Case;
-using Window = kvattn::Variant<true, false>;
+using Window = kvattn::SlidingWindow;
 
 template <class P> class DecodeWindow : public ::testing::Test {};
 TYPED_TEST_SUITE(DecodeWindow, decode_check::Isas);
@@ -29,7 +29,7 @@ TYPED_TEST(DecodeWindow, SplitAcrossThreads) {
   using Isa = typename TypeParam::type;
   kvattn::ThreadPool pool(3);
   // Chunks of 100 tokens: most lie wholly outside the window and must contribute nothing.
-  decode_check::check_all_storage<Window, Isa>(Case{GqaShape::gqa(8, 1, 64), 7, {1500, 3}, 1, 150, 0, 100}, pool, 3);
+  decode_check::check_all_storage<Window, Isa>(Case{GqaShape::gqa(8, 1, 64), 7, {1500, 3}, 1, 150, 0, 100}, pool);
 }
 
 }  // namespace

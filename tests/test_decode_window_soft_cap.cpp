@@ -1,4 +1,4 @@
-// Decode with both a sliding window and a logit soft-cap (Variant<true, true>) against the
+// Decode with both a sliding window and a logit soft-cap (Compose<SlidingWindow, SoftCap>) against the
 // reference, with the bounds of test_decode.cpp.
 #include <kvattn/decode.hpp>
 
@@ -10,7 +10,7 @@ namespace {
 
 using kvattn::GqaShape;
 using Case = decode_check::Case;
-using Both = kvattn::Variant<true, true>;
+using Both = kvattn::Compose<kvattn::SlidingWindow, kvattn::SoftCap>;
 
 template <class P> class DecodeWindowSoftCap : public ::testing::Test {};
 TYPED_TEST_SUITE(DecodeWindowSoftCap, decode_check::Isas);

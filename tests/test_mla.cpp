@@ -61,18 +61,22 @@ using checks::uniform;
 
 using KernelCase = checks::MlaCase;
 
-/// Runs mla_decode on a cache filled with random rows and checks it against the reference;
-/// returns the output (for comparisons between runs).
-template <class Isa, class T> std::vector<float> check_kernel(const KernelCase& c, unsigned seed = 1) {
+/// Runs mla_decode with policy P (its values from the case) on a cache filled with random rows
+/// and checks it against the reference; returns the output (for comparisons between runs).
+template <class Isa, class T, class P = kvattn::Plain, class PF = kvattn::SerialFor>
+std::vector<float> check_kernel(const KernelCase& c, unsigned seed = 1, PF&& pf = PF{}) {
   SCOPED_TRACE(describe(c));
   const checks::MlaInputs<T> in(c, seed);
   const MlaShape& s = c.shape;
   const std::size_t rows = in.seqs.size() * c.queries * s.heads;
   std::vector<float> out(rows * s.latent_dim, -7.0f), lse(rows, -7.0f);
   const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  kvattn::MlaDecodeWorkspace ws;
-  kvattn::mla_decode<Isa>(in.cache.view(table, 0), s, in.q.data(), out.data(), lse.data(), checks::mla_params(c), ws);
-  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, c.queries, out, lse, c.q_scale);
+  const policy_checks::Values values = checks::policy_values(c);
+  kvattn::DecodePlan plan;
+  plan.make(in.cache.view(table, 0), s, checks::mla_params(c), pf);
+  kvattn::mla_decode(in.cache.view(table, 0), in.q.data(), out.data(), lse.data(), plan, pf, policy_checks::make<P>(values), Isa{});
+  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, c.queries, out, lse, c.q_scale,
+                                    [&](std::size_t b) { return policy_checks::options<P>(values, b); });
   return out;
 }
 
@@ -136,28 +140,49 @@ TYPED_TEST(MlaKernel, PagedEqualsContiguousBitForBit) {
   }
 }
 
+TYPED_TEST(MlaKernel, ScorePolicies) {
+  using Isa = typename TypeParam::type;
+  using namespace kvattn;
+  kvattn::ThreadPool pool(3);
+  // Sinks counted once over split chunks; ALiBi over 3 and 16 heads; a tree over Q = 16 (and over
+  // sequences shorter than Q); gpt-oss's window, cap and sinks; each with padded rows (3 heads).
+  check_kernel<Isa, float, Sinks>({kOdd, 7, {300, 0, 1, 64}, 2, 1.0f, 32}, 1, pool);
+  check_kernel<Isa, bf16, Sinks>({kV2Lite, 16, {100, 3}, 1}, 2);
+  check_kernel<Isa, float, Alibi>({kOdd, 16, {200, 2}, 3, 1.0f, 64}, 3, pool);
+  check_kernel<Isa, bf16, Alibi>({kV2Lite, 7, {90}, 1}, 4);
+  check_kernel<Isa, float, TreeMask>({kOdd, 7, {100, 16, 5}, 16}, 5);
+  check_kernel<Isa, bf16, TreeMask>({kFive, 1, {40, 2}, 4}, 6);
+  using Gpt = Compose<SlidingWindow, SoftCap, Sinks>;
+  check_kernel<Isa, float, Gpt>({kOdd, 16, {500, 7, 0}, 2, 4.0f, 64, 70, 10.0f}, 7, pool);
+  check_kernel<Isa, bf16, Gpt>({kFive, 7, {80, 1}, 3, 1.0f, 0, 1, 3.0f}, 8);  // window 1: the row's own token
+}
+
 TEST(MlaKernelArguments, BadInputIsRejectedBeforeAnyWork) {
   PagedKvCache<float> mla(kvattn::CacheConfig{1, 4, 4, kOdd});
   PagedKvCache<float> gqa(kvattn::CacheConfig{1, 4, 4, kvattn::GqaShape::gqa(4, 2, 8)});
   const auto t = mla.page_table({});
   std::vector<float> q(1), out(1);
-  kvattn::MlaDecodeWorkspace ws;
-  kvattn::MlaDecodeParams p;
-  EXPECT_THROW(kvattn::mla_decode(gqa.view(gqa.page_table({}), 0), kOdd, q.data(), out.data(), nullptr, p, ws),
-               kvattn::shape_error);
+  kvattn::DecodePlan plan;
+  kvattn::DecodeParams p;
+  EXPECT_THROW(plan.make(gqa.view(gqa.page_table({}), 0), kOdd, p, 1), kvattn::shape_error);
   MlaShape other = kOdd;
   other.latent_dim = 41;
   try {
-    kvattn::mla_decode(mla.view(t, 0), other, q.data(), out.data(), nullptr, p, ws);
+    plan.make(mla.view(t, 0), other, p, 1);
     ADD_FAILURE() << "no error";
   } catch (const kvattn::shape_error& e) {
     EXPECT_NE(std::string(e.what()).find("latent_dim=41"), std::string::npos) << e.what();
   }
   p.queries_per_seq = 0;
-  EXPECT_THROW(kvattn::mla_decode(mla.view(t, 0), kOdd, q.data(), out.data(), nullptr, p, ws), kvattn::invalid_argument);
+  EXPECT_THROW(plan.make(mla.view(t, 0), kOdd, p, 1), kvattn::invalid_argument);
   p.queries_per_seq = 1;
   p.scale = -1.0f;
-  EXPECT_THROW(kvattn::mla_decode(mla.view(t, 0), kOdd, q.data(), out.data(), nullptr, p, ws), kvattn::invalid_argument);
+  EXPECT_THROW(plan.make(mla.view(t, 0), kOdd, p, 1), kvattn::invalid_argument);
+  EXPECT_THROW(kvattn::mla_decode(mla.view(t, 0), q.data(), out.data(), nullptr, plan), kvattn::invalid_argument);  // never made
+  plan.make(mla.view(t, 0), kOdd, {}, 1);
+  const std::vector<float> sinks(2, 0.0f);  // kOdd has 3 heads
+  EXPECT_THROW(kvattn::mla_decode(mla.view(t, 0), q.data(), out.data(), nullptr, plan, kvattn::SerialFor{}, kvattn::Sinks{sinks.data(), 2}),
+               kvattn::invalid_argument);
 }
 
 // ---- the layer -----------------------------------------------------------------------------------
@@ -298,7 +323,7 @@ std::vector<float> prefill_in_chunks(const kvattn::MlaWeights& w, PagedKvCache<T
   std::int64_t done = 0;
   for (std::int64_t n : chunks) {
     cache.append(seq, n);
-    kvattn::mla_prefill<Isa>(w, cache, seq, layer, n, h.data() + done * hid, out.data() + done * hid, ws);
+    kvattn::mla_prefill(w, cache, layer, {{seq, n}}, h.data() + done * hid, out.data() + done * hid, ws, Isa{});
     done += n;
   }
   return out;
@@ -338,7 +363,9 @@ template <class Isa, class T> void check_layer(const LayerCase& c) {
     kvattn::mla_append<Isa>(w, step, s2, 0, c.tokens - 1, 1, last, ws);
     const kvattn::BatchPageTable table = step.page_table({s2});
     std::vector<float> folded(hid);
-    kvattn::mla_decode_layer<Isa>(f, step.view(table, 0), last, folded.data(), kvattn::MlaDecodeParams{}, ws);
+    kvattn::DecodePlan plan;
+    plan.make(step.view(table, 0), c.shape, {}, 1);
+    kvattn::mla_decode_layer(f, step.view(table, 0), last, folded.data(), plan, ws, kvattn::SerialFor{}, kvattn::Plain{}, Isa{});
     const std::vector<float> last_row(one_shot.end() - hid, one_shot.end());
     expect_layer_close(folded, reference_layer(l, step, s2, 0, last, 1), "folded decode vs reference");
     expect_layer_close(folded, last_row, "folded decode vs prefill's last row");
@@ -411,11 +438,13 @@ TYPED_TEST(MlaLayer, BatchedFoldedDecodeOfSequencesOfDifferentLengths) {
     }
     const kvattn::BatchPageTable table = cache.page_table(seqs);
     std::vector<float> out(h.size());
-    kvattn::MlaDecodeParams p;
+    kvattn::DecodeParams p;
     p.queries_per_seq = Q;
     p.chunk_tokens = 32;
     kvattn::ThreadPool pool(2);
-    kvattn::mla_decode_layer<Isa>(f, cache.view(table, 0), h.data(), out.data(), p, ws, pool);
+    kvattn::DecodePlan plan;
+    plan.make(cache.view(table, 0), kOdd, p, pool);
+    kvattn::mla_decode_layer(f, cache.view(table, 0), h.data(), out.data(), plan, ws, pool, kvattn::Plain{}, Isa{});
     for (std::size_t b = 0; b < prompts.size(); ++b) {
       const std::vector<float> got(out.begin() + b * Q * 24, out.begin() + (b + 1) * Q * 24);
       expect_layer_close(got, reference_layer(l, cache, seqs[b], 0, h.data() + b * Q * 24, Q),
@@ -457,7 +486,7 @@ TEST(MlaLayerArguments, ErrorsNameTheValuesAndLeaveTheCacheUnchanged) {
   const auto h = uniform(10 * 24, 1);
   std::vector<float> out(10 * 24);
   kvattn::MlaWorkspace ws;
-  kvattn::mla_prefill(w, cache, seq, 0, 10, h.data(), out.data(), ws);
+  kvattn::mla_prefill(w, cache, 0, {{seq, 10}}, h.data(), out.data(), ws);
   const SeqId child = cache.fork(seq);  // shares every page: a write must copy one
   const auto before = cache_snapshot::snapshot(cache);
   const auto expect_unchanged = [&](const char* what) {
@@ -476,9 +505,14 @@ TEST(MlaLayerArguments, ErrorsNameTheValuesAndLeaveTheCacheUnchanged) {
   expect_unchanged("range past the end");
   EXPECT_THROW(kvattn::mla_append(w, cache, seq, 0, 0, 1, nullptr, ws), kvattn::invalid_argument);
   expect_unchanged("null hidden");
-  EXPECT_THROW(kvattn::mla_prefill(w, cache, seq, 0, 11, h.data(), out.data(), ws), kvattn::invalid_argument);
-  EXPECT_THROW(kvattn::mla_prefill(w, cache, seq, 0, 1, h.data(), nullptr, ws), kvattn::invalid_argument);
+  EXPECT_THROW(kvattn::mla_prefill(w, cache, 0, {{seq, 11}}, h.data(), out.data(), ws), kvattn::invalid_argument);
+  EXPECT_THROW(kvattn::mla_prefill(w, cache, 0, {{seq, 1}}, h.data(), nullptr, ws), kvattn::invalid_argument);
+  EXPECT_THROW(kvattn::mla_prefill(w, cache, 0, {{seq, 1}, {seq, 1}}, h.data(), out.data(), ws), kvattn::invalid_argument);
+  EXPECT_THROW(kvattn::mla_prefill(w, cache, 0, {{seq, 1}, {12345, 1}}, h.data(), out.data(), ws), kvattn::invalid_argument);
   expect_unchanged("bad prefill");
+  // A batch whose second chunk needs a copy the pool cannot hold: the first is not written either.
+  EXPECT_THROW(kvattn::mla_prefill(w, cache, 0, {{seq, 1}, {child, 1}}, h.data(), out.data(), ws), kvattn::capacity_error);
+  expect_unchanged("a batch that cannot copy its shared pages");
   // The fork shares every page and the pool has no free page for the copy: capacity_error.
   EXPECT_THROW(kvattn::mla_append(w, cache, child, 0, 0, 1, h.data(), ws), kvattn::capacity_error);
   expect_unchanged("copy-on-write without a free page");
@@ -489,8 +523,16 @@ TEST(MlaLayerArguments, ErrorsNameTheValuesAndLeaveTheCacheUnchanged) {
   EXPECT_THROW(kvattn::mla_append(w, gqa, g, 0, 0, 1, h.data(), ws), kvattn::shape_error);
   const kvattn::MlaFolded f = kvattn::fold(w);
   const auto gt = gqa.page_table({g});
-  EXPECT_THROW(kvattn::mla_decode_layer(f, gqa.view(gt, 0), h.data(), out.data(), kvattn::MlaDecodeParams{}, ws),
-               kvattn::shape_error);
+  kvattn::DecodePlan plan;
+  EXPECT_THROW(kvattn::mla_decode_layer(f, gqa.view(gt, 0), h.data(), out.data(), plan, ws), kvattn::invalid_argument);  // never made
+  plan.make(gqa.view(gt, 0), kvattn::GqaShape::gqa(4, 2, 8), {}, 1);
+  EXPECT_THROW(kvattn::mla_decode_layer(f, gqa.view(gt, 0), h.data(), out.data(), plan, ws), kvattn::shape_error);
+  // The folded weights carry the scale: a plan with a scale of its own is rejected.
+  const auto mt = cache.page_table({seq});
+  kvattn::DecodeParams scaled;
+  scaled.scale = 0.5f;
+  plan.make(cache.view(mt, 0), kOdd, scaled, 1);
+  EXPECT_THROW(kvattn::mla_decode_layer(f, cache.view(mt, 0), h.data(), out.data(), plan, ws), kvattn::invalid_argument);
 
   // Weights: a rotary embedding of the wrong width, a missing array.
   const kvattn::RopeConfig narrow{RopeStyle::gptj, kOdd.rope_dim - 2, 0, 10000.0};

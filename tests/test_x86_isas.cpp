@@ -38,6 +38,7 @@
 
 #include "attention_checks.hpp"
 #include "mla_reference.hpp"
+#include "policy_checks.hpp"
 #include "reference.hpp"
 #include "rope_reference.hpp"
 
@@ -109,22 +110,34 @@ template <class Isa, class T> using K = isa_kernels::Kernels<Isa, T>;
 
 using checks::DecodeCase;
 
-/// As test_decode.cpp's check(), with the kernel of Isa.
-template <class Isa, class T> void check_decode(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
+using isa_kernels::Policy;
+/// The policy of a case: its window and soft-cap where it has them.
+Policy policy_of(std::int64_t window, float soft_cap) {
+  return window > 0 ? (soft_cap > 0 ? Policy::window_soft_cap : Policy::window) : soft_cap > 0 ? Policy::soft_cap : Policy::plain;
+}
+
+/// As test_decode.cpp's check(), with the kernel of Isa and the policy `which` (by default the
+/// case's: policy_of).
+template <class Isa, class T>
+void check_decode(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr, Policy which = Policy::plain) {
+  if (which == Policy::plain) which = policy_of(c.window, c.soft_cap);
   SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name) +
-               " threads=" + std::to_string(pool ? pool->threads() : 1));
+               " threads=" + std::to_string(pool ? pool->threads() : 1) + " policy=" + std::to_string(static_cast<int>(which)));
   const checks::DecodeInputs<T> in(c);
   std::vector<float> out = in.out(), lse = in.lse(c);
   const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  const kvattn::DecodeParams p = checks::decode_params(c, pool ? pool->threads() : 1);
-  K<Isa, T>::decode(in.cache.view(table, 0), c.shape, in.q.data(), out.data(), lse.data(), p, {c.window > 0, c.soft_cap > 0}, pool);
-  checks::expect_decode_case_matches(in, c, out, lse);
+  const policy_checks::Values values = checks::policy_values(c);
+  K<Isa, T>::decode(in.cache.view(table, 0), c.shape, in.q.data(), out.data(), lse.data(), checks::decode_params(c), which, values,
+                    pool);
+  isa_kernels::with_policy(which, [&](auto tag) {
+    checks::expect_decode_case_matches<typename decltype(tag)::type>(in, c, values, out, lse);
+  });
 }
 
-template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr) {
-  check_decode<Isa, float>(c, pool);
-  check_decode<Isa, kvattn::fp16>(c, pool);
-  check_decode<Isa, kvattn::bf16>(c, pool);
+template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr, Policy which = Policy::plain) {
+  check_decode<Isa, float>(c, pool, which);
+  check_decode<Isa, kvattn::fp16>(c, pool, which);
+  check_decode<Isa, kvattn::bf16>(c, pool, which);
 }
 
 template <class Isa> class IsaDecode : public OnThisCpu<Isa> {};
@@ -164,21 +177,34 @@ TYPED_TEST(IsaDecode, SeveralQueriesWindowSoftCapAndLargeLogits) {
   check_decode<TypeParam, float>(DecodeCase{GqaShape::gqa(4, 2, 64), 16, {200, 3}, 1, 0, 0, 50, 1e4f});
 }
 
+TYPED_TEST(IsaDecode, EveryPolicyHookAtOnce) {
+  // Window, soft-cap, ALiBi, sinks and a tree mask together (isa_kernels::All), split and threaded.
+  kvattn::ThreadPool pool(3);
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(8, 2, 64), 7, {300, 12, 1, 0}, 12, 40, 20.0f, 64, 4.0f}, &pool,
+                                      Policy::all);
+  check_decode_all_storage<TypeParam>(DecodeCase{GqaShape::gqa(9, 3, 80), 16, {100, 5}, 3, 200, 5.0f}, nullptr, Policy::all);
+}
+
 // ---- MLA decode ----------------------------------------------------------------------------------
 
-/// As test_mla.cpp's check_kernel, with the kernel of Isa.
+/// As test_mla.cpp's check_kernel, with the kernel of Isa (and the policy `which`, its window
+/// and cap from the case).
 template <class Isa, class T>
 void check_mla(const kvattn::MlaShape& s, int page_size, const std::vector<std::int64_t>& lengths, int Q,
-               std::int64_t chunk = 0, float q_scale = 1.0f, kvattn::ThreadPool* pool = nullptr) {
-  const checks::MlaCase c{s, page_size, lengths, Q, q_scale, chunk};
-  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name));
+               std::int64_t chunk = 0, float q_scale = 1.0f, kvattn::ThreadPool* pool = nullptr, Policy which = Policy::plain) {
+  const checks::MlaCase c{s, page_size, lengths, Q, q_scale, chunk, 30, 15.0f};
+  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name) +
+               " policy=" + std::to_string(static_cast<int>(which)));
   const checks::MlaInputs<T> in(c, static_cast<unsigned>(lengths.size() * 7 + s.latent_dim));
   const std::size_t rows = in.seqs.size() * Q * s.heads;
   std::vector<float> out(rows * s.latent_dim, 123.0f), lse(rows, 123.0f);
   const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  K<Isa, T>::mla_decode(in.cache.view(table, 0), s, in.q.data(), out.data(), lse.data(), checks::mla_params(c, pool ? pool->threads() : 1),
-                        pool);
-  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, Q, out, lse, q_scale);
+  const policy_checks::Values values = checks::policy_values(c);
+  K<Isa, T>::mla_decode(in.cache.view(table, 0), s, in.q.data(), out.data(), lse.data(), checks::mla_params(c), which, values, pool);
+  isa_kernels::with_policy(which, [&](auto tag) {
+    checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, Q, out, lse, q_scale,
+                                      [&](std::size_t b) { return policy_checks::options<typename decltype(tag)::type>(values, b); });
+  });
 }
 
 template <class Isa> class IsaMla : public OnThisCpu<Isa> {};
@@ -199,6 +225,9 @@ TYPED_TEST(IsaMla, DeepSeekV2SplitThreadedAndLargeLogits) {
   check_mla<TypeParam, kvattn::bf16>(v2, 16, {600, 1}, 1, 0, 1.0f, &pool);
   check_mla<TypeParam, float>({5, 64, 8, 24, 16, 32}, 7, {1000, 0, 130}, 2, 64, 1.0f, &pool);
   check_mla<TypeParam, kvattn::fp16>({3, 40, 6, 16, 12, 0}, 16, {300, 5}, 2, 0, 300.0f);
+  // Every policy hook at once (window 30, cap 15, ALiBi, sinks, a tree over Q = 5).
+  check_mla<TypeParam, kvattn::bf16>({3, 40, 6, 16, 12, 0}, 7, {400, 5, 0}, 5, 64, 3.0f, &pool, Policy::all);
+  check_mla<TypeParam, float>({5, 64, 8, 24, 16, 32}, 16, {90}, 1, 0, 1.0f, nullptr, Policy::all);
 }
 
 // ---- Prefill -------------------------------------------------------------------------------------
@@ -212,11 +241,11 @@ using checks::random_prompt;
 /// pool of 2 threads), then compares every token's output and lse with the reference.
 template <class Isa, class T>
 void check_prefill(const GqaShape& s, int page, std::vector<std::int64_t> chunks, kvattn::PrefillParams params = {},
-                   isa_kernels::Variant variant = {}, float q_scale = 1.0f) {
+                   std::int64_t window = 0, float soft_cap = 0.0f, float q_scale = 1.0f, Policy which = Policy::plain) {
+  if (which == Policy::plain) which = policy_of(window, soft_cap);
   SCOPED_TRACE(kvattn::detail::concat("q_heads=", s.q_heads, " kv_heads=", s.kv_heads, " head_dim=", s.head_dim, " page=", page,
                                       " storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name, " block=", params.query_block,
-                                      " window=", variant.sliding_window ? params.window : 0,
-                                      " cap=", variant.soft_cap ? params.soft_cap : 0.0f));
+                                      " window=", window, " cap=", soft_cap, " policy=", static_cast<int>(which)));
   std::int64_t total = 0;
   for (auto c : chunks) total += c;
   kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, (total + page - 1) / page + 1, s});
@@ -225,19 +254,19 @@ void check_prefill(const GqaShape& s, int page, std::vector<std::int64_t> chunks
   std::vector<float> out(static_cast<std::size_t>(total) * s.q_heads * s.head_dim, 7.0f);  // [total][q_heads][head_dim]
   std::vector<float> lse(static_cast<std::size_t>(total) * s.q_heads, 7.0f);                // [total][q_heads]
   kvattn::ThreadPool pool(2);
+  // The policies' values: a tree needs each chunk's rows, and is checked with one chunk only.
+  const policy_checks::Values values(s.q_heads, {0, total}, window, soft_cap, static_cast<unsigned>(total));
   std::int64_t done = 0;
   for (auto n : chunks) {
     cache.append(seq, n);
     const std::size_t qo = static_cast<std::size_t>(done) * s.q_heads * s.head_dim;
     const std::size_t kv = static_cast<std::size_t>(done) * s.kv_heads * s.head_dim;
     K<Isa, T>::prefill(cache, seq, n, s, pr.q.data() + qo, pr.k.data() + kv, pr.v.data() + kv, out.data() + qo,
-                       lse.data() + static_cast<std::size_t>(done) * s.q_heads, params, variant, &pool);
+                       lse.data() + static_cast<std::size_t>(done) * s.q_heads, params, which, values, &pool);
     done += n;
   }
   reference::Options o;
-  o.queries_per_seq = static_cast<int>(total);
-  o.window = variant.sliding_window ? params.window : 0;
-  o.soft_cap = variant.soft_cap ? params.soft_cap : 0;
+  isa_kernels::with_policy(which, [&](auto tag) { o = policy_checks::options<typename decltype(tag)::type>(values, 0); });
   std::vector<double> ref, ref_lse;
   reference::decode(cache, seq, 0, s, pr.q.data(), o, ref, ref_lse);
   const double e_s = std::ldexp(1.0, -23) * q_scale * std::sqrt(double(s.head_dim));  // keys in [-1, 1]
@@ -268,17 +297,17 @@ TYPED_TEST(IsaPrefill, LongPromptAndBlocks) {
   check_prefill<TypeParam, float>(GqaShape::gqa(4, 4, 64), 1, {50}, p);
 }
 
-TYPED_TEST(IsaPrefill, VariantsAndLargeLogits) {
+TYPED_TEST(IsaPrefill, PoliciesAndLargeLogits) {
+  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {60, 40}, {}, 17);
+  check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(4, 2, 64), 7, {30}, {}, 1);
+  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {90}, {}, 40, 20.0f, 10.0f);
+  check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(6, 3, 80), 16, {64, 26}, {}, 0, 20.0f, 10.0f);
+  check_prefill<TypeParam, float>(GqaShape::gqa(4, 2, 64), 16, {70}, {}, 0, 0.0f, 1e4f);  // scores ~1e5
+  // Every policy hook at once (a tree over the one chunk of up to 64 tokens).
   kvattn::PrefillParams p;
-  p.window = 17;
-  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {60, 40}, p, {true, false});
-  p.window = 1;
-  check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(4, 2, 64), 7, {30}, p, {true, false});
-  p.soft_cap = 20.0f;
-  p.window = 40;
-  check_prefill<TypeParam, float>(GqaShape::gqa(8, 2, 64), 16, {90}, p, {true, true}, 10.0f);
-  check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(6, 3, 80), 16, {64, 26}, p, {false, true}, 10.0f);
-  check_prefill<TypeParam, float>(GqaShape::gqa(4, 2, 64), 16, {70}, {}, {}, 1e4f);  // scores ~1e5
+  p.query_block = 5;
+  check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(8, 2, 64), 7, {40}, p, 16, 20.0f, 4.0f, Policy::all);
+  check_prefill<TypeParam, float>(GqaShape::gqa(6, 2, 7), 1, {64}, {}, 100, 5.0f, 1.0f, Policy::all);
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------

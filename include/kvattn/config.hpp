@@ -105,6 +105,13 @@
 #else
 #define KVATTN_UNROLL
 #endif
+/// Functions the CUDA kernels call too (the softmax state, the score policies): host and device
+/// functions under nvcc, plain functions everywhere else.
+#if defined(__CUDACC__)
+#define KVATTN_HOST_DEVICE __host__ __device__
+#else
+#define KVATTN_HOST_DEVICE
+#endif
 /// KVATTN_NOINLINE keeps a register-blocked inner kernel a function of its own, so that its
 /// accumulators get the vector registers rather than whatever its caller keeps live.
 #if defined(__GNUC__) || defined(__clang__)

@@ -15,9 +15,12 @@
 //   lse  [batch][Q][q_heads]            fp32, natural log, -inf for a row that sees no key; optional
 // A row that sees no key (context shorter than its position) gets zeros, never NaN.
 //
-// Variants are compile-time: decode<Variant<true, false>> adds the sliding window,
-// decode<Variant<false, true>> the logit soft-cap (score = cap · tanh(score / cap)); the plain
-// kernel carries neither test.
+// A score policy (policy.hpp) adds what a variant of attention changes: a sliding window, a
+// soft-cap, ALiBi, attention sinks, a tree mask, or several of them (compose). The plain kernel
+// (Plain) carries none of their tests.
+//
+// Calls take the step's DecodePlan (core.hpp): made once per step, it splits the batch into work
+// items and holds their scratch; every layer's call reuses it.
 #pragma once
 
 #include <algorithm>
@@ -29,111 +32,16 @@
 #include <vector>
 
 #include "config.hpp"
+#include "core.hpp"
 #include "error.hpp"
 #include "paged_cache.hpp"
 #include "parallel.hpp"
+#include "policy.hpp"
 #include "shape.hpp"
 #include "simd.hpp"
 #include "state.hpp"
 
 namespace kvattn {
-
-/// Compile-time attention variants.
-template <bool SlidingWindow, bool SoftCap> struct Variant {
-  static constexpr bool sliding_window = SlidingWindow;
-  static constexpr bool soft_cap = SoftCap;
-};
-using Plain = Variant<false, false>;
-
-struct DecodeParams {
-  int queries_per_seq = 1;        ///< Q: new tokens per sequence, the last Q of its cache
-  float scale = 0.0f;             ///< softmax scale; 0: 1 / sqrt(head_dim)
-  std::int64_t window = 0;        ///< sliding window W (Variant<true, ...>): the last W positions, own included
-  float soft_cap = 0.0f;          ///< soft-cap (Variant<..., true>), > 0
-  std::int64_t chunk_tokens = 0;  ///< split-KV chunk length; 0: chosen from the work and `threads`
-  int threads = 1;                ///< threads the parallel-for will use (for choosing chunks)
-};
-
-/// Scratch memory of decode(): its work items and their partial results. Keep one per concurrent
-/// caller and reuse it across steps; it only grows. The fields belong to decode().
-struct DecodeWorkspace {
-  struct Item {
-    std::int32_t seq;
-    std::int64_t begin, end;  ///< key positions [begin, end)
-    std::int64_t partial;     ///< offset of this item's floats from aligned_partial()
-  };
-  std::vector<Item> items;
-  std::vector<std::int64_t> first_item;  ///< [batch + 1]: the items of sequence b
-  std::vector<float> partial;
-
-  /// Splits the batch of `kv` into work items (sequence, chunk of keys) of `item_floats` floats
-  /// each and returns where they start (aligned_partial). chunk_tokens 0: split only as far as
-  /// needed for about `want` items, in chunks of a multiple of `granule` and at least `min_chunk`
-  /// tokens (none when the batch alone gives `want` items).
-  template <class T>
-  float* plan(const PagedKvView<T>& kv, std::int64_t chunk_tokens, std::int64_t want, std::int64_t granule,
-              std::int64_t min_chunk, std::int64_t item_floats) {
-    return aligned_partial(plan_items(kv, chunk_tokens, want, granule, min_chunk, item_floats));
-  }
-
-  /// plan() without the partial buffer (for callers that keep the partial results elsewhere, as
-  /// the CUDA launchers do on the device): fills items and first_item, returns the floats of all items.
-  template <class T>
-  std::int64_t plan_items(const PagedKvView<T>& kv, std::int64_t chunk_tokens, std::int64_t want, std::int64_t granule,
-                          std::int64_t min_chunk, std::int64_t item_floats) {
-    std::int64_t total = 0;
-    for (int b = 0; b < kv.batch; ++b) total += kv.length(b);
-    std::int64_t chunk = chunk_tokens;
-    if (chunk == 0)
-      chunk = kv.batch >= want ? std::numeric_limits<std::int64_t>::max()
-                               : std::max(min_chunk, ((total + want - 1) / want + granule - 1) / granule * granule);
-    items.clear();
-    first_item.assign(static_cast<std::size_t>(kv.batch) + 1, 0);
-    std::int64_t floats = 0;
-    for (int b = 0; b < kv.batch; ++b) {
-      const std::int64_t L = kv.length(b);
-      const std::int64_t chunks = L == 0 ? 1 : 1 + (L - 1) / chunk;  // (no L + chunk: chunk may be INT64_MAX)
-      for (std::int64_t c = 0; c < chunks; ++c) {
-        const std::int64_t begin = std::min(L, c * chunk), end = std::min(L, begin + chunk);
-        items.push_back({b, begin, end, floats});
-        floats += item_floats;
-      }
-      first_item[static_cast<std::size_t>(b) + 1] = static_cast<std::int64_t>(items.size());
-    }
-    return floats;
-  }
-
-  /// `floats` floats of `partial` starting on a cache line (grown as needed): every row an item
-  /// works on can then start on one (a vector load that straddles two lines costs two).
-  float* aligned_partial(std::int64_t floats) {
-    const std::size_t n = static_cast<std::size_t>(floats + detail::kLineFloats);
-    if (partial.size() < n) partial.resize(n);
-    return detail::align_to_line(partial.data());
-  }
-
-  std::size_t bytes() const noexcept {
-    return items.capacity() * sizeof(Item) + first_item.capacity() * sizeof(std::int64_t) + partial.capacity() * sizeof(float);
-  }
-};
-
-namespace detail {
-/// The checks decode() and prefill() share: the head layout matches the cache's, and the
-/// scale and the variant's parameters are usable. `op` names the caller in the message.
-template <class V>
-void check_attention_args(const char* op, const GqaShape& shape, const PageLayout& layout, float scale,
-                          std::int64_t window, float soft_cap) {
-  shape.validate();
-  if (layout.content != PageContent::gqa || layout.kv_heads != shape.kv_heads || layout.head_dim != shape.head_dim)
-    raise<shape_error>(concat(op, ": shape kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim,
-                              " does not match the cache's kv_heads=", layout.kv_heads, " head_dim=", layout.head_dim));
-  if (!(std::isfinite(scale) && scale >= 0.0f))
-    raise<invalid_argument>(concat(op, ": scale=", scale, ": must be finite and >= 0 (0: 1/sqrt(head_dim))"));
-  if (V::sliding_window && window < 1)
-    raise<invalid_argument>(concat(op, ": window=", window, ": a sliding window must hold at least 1 token"));
-  if (V::soft_cap && !(soft_cap > 0.0f && std::isfinite(soft_cap)))
-    raise<invalid_argument>(concat(op, ": soft_cap=", soft_cap, ": must be positive and finite"));
-}
-}  // namespace detail
 
 KVATTN_BEGIN_TARGET_NAMESPACE
 namespace decode_impl {  // (not "detail": that name is kvattn::detail's)
@@ -144,11 +52,9 @@ inline constexpr int kDecodeTile = 32;
 /// Query rows whose accumulators stay in registers together: two vectors per row in the
 /// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16 (AVX2).
 template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
-/// Floats of one row of an item's partial result: the output [dim] and {m, d}, rounded up to
-/// whole cache lines so that every row starts on one.
-constexpr std::int64_t partial_row_floats(int dim) { return detail::whole_lines(std::int64_t{dim} + 2); }
+using decode_layout::partial_row_floats;
 /// Tokens of a span (see Span).
-inline constexpr int kDecodeSpan = 64;
+inline constexpr int kDecodeSpan = decode_layout::kGqaSpan;
 /// How far ahead keys and values are prefetched: (span, KV head) units, each a run of a head
 /// block. One unit is several memory latencies of work already, but on a machine whose
 /// bandwidth is shared the latency swings: bench_decode, 32/8×128 bf16, two threads, three
@@ -167,40 +73,6 @@ template <class T> KVATTN_ALWAYS_INLINE void prefetch_columns(const T* row, int 
   const auto first = reinterpret_cast<std::uintptr_t>(row + c0) & ~std::uintptr_t{63};
   const auto last = reinterpret_cast<std::uintptr_t>(row + c1 - 1);
   for (std::uintptr_t a = first; a <= last; a += 64) KVATTN_PREFETCH_L2(reinterpret_cast<const char*>(a));
-}
-
-/// One row's online-softmax step over a tile of N scores `s` (-inf where the row sees no key):
-/// turns them into exp(s − m) with m the new running maximum (all 0 while the row has seen
-/// nothing), updates the running {m, d} at md[0], md[1], and returns the factor the row's
-/// accumulated output must be rescaled by. The running maximum moves only where some score
-/// exceeds it, which after the first tiles is rare: only then are the tile's maximum (a
-/// reduction) and the rescale factor (an exp) computed. Shared by decode and mla_decode.
-template <class Isa, int N> KVATTN_ALWAYS_INLINE float online_softmax(float* s, float* md) noexcept {
-  using Vec = simd::Vec<Isa>;
-  constexpr int W = Vec::lanes;
-  static_assert(N % W == 0, "a tile is whole vectors of scores");
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const float m_old = md[0];
-  Vec m = Vec::load(s);
-  for (int g = W; g < N; g += W) m = max(m, Vec::load(s + g));
-  float m_new = m_old, alpha = 1.0f;
-  if (any_greater(m, Vec::set1(m_old))) {
-    m_new = std::max(m_old, m.reduce_max());
-    alpha = m_old == kNegInf ? 0.0f : std::exp(m_old - m_new);
-  }
-  if (m_new == kNegInf) {  // nothing seen yet: no probability, nothing to rescale
-    std::fill(s, s + N, 0.0f);
-    return 1.0f;
-  }
-  Vec sum = Vec::zero();
-  for (int g = 0; g < N; g += W) {
-    const Vec e = exp(Vec::load(s + g) - Vec::set1(m_new));  // exp(-inf) = 0
-    e.store(s + g);
-    sum = sum + e;
-  }
-  md[0] = m_new;
-  md[1] = md[1] * alpha + sum.reduce_add();
-  return alpha;
 }
 
 /// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order),
@@ -248,21 +120,21 @@ KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c
 /// keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit, whose key and
 /// value rows are prefetched as the scores and the values of token t are computed (ahead null:
 /// none).
-/// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); qpos[r]: its position;
-/// o[r]: its running output [dim] in pair order, then {m, d}.
+/// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
+/// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
 ///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token.
-///   2. Online softmax per row over the tile: new maximum, rescale factor, probabilities.
+///   2. Per row over the tile: the policy's window, logits and mask, then the online softmax:
+///      new maximum, rescale factor, probabilities.
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
-template <class Isa, int D, int NR, class V, class T>
+template <class Isa, int HeadDim, int NR, class P, class T>
 KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
-                                      int n, std::int64_t t0, int dim, const float* const* qr, const std::int64_t* qpos,
-                                      float* const* o, float scale, const DecodeParams& p) noexcept {
+                                      int n, std::int64_t t0, int dim, const float* const* qr, const QueryRow* rows,
+                                      float* const* o, float scale, const P& policy) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
   static_assert(kDecodeTile % W == 0, "a tile is whole vectors of tokens");
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
 
@@ -275,8 +147,8 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
     // Unrolled for the head sizes known at compile time. The general size's count is known only
     // at run time: clang cannot honour an unroll pragma there and warns (-Wpass-failed).
-    if constexpr (D > 0) {
-      KVATTN_UNROLL for (int c = 0; c < D / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+    if constexpr (HeadDim > 0) {
+      KVATTN_UNROLL for (int c = 0; c < HeadDim / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
     } else {
       for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
     }
@@ -300,16 +172,8 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   for (int r = 0; r < NR; ++r) {
     const Vec vscale = Vec::set1(scale);
     for (int g = 0; g < kDecodeTile; g += W) (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
-    // The tokens row r sees form one range [lo, hi) of the tile.
-    const std::int64_t last = qpos[r] - t0;  // the last visible token, relative to the tile
-    int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n)), lo = 0;
-    if constexpr (V::sliding_window) lo = static_cast<int>(std::clamp<std::int64_t>(last - p.window + 1, 0, hi));
-    if constexpr (V::soft_cap)
-      for (int t = lo; t < hi; ++t) s[r][t] = p.soft_cap * std::tanh(s[r][t] / p.soft_cap);
-    for (int t = 0; t < lo; ++t) s[r][t] = kNegInf;
-    for (int t = hi; t < kDecodeTile; ++t) s[r][t] = kNegInf;
-
-    alpha[r] = online_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
+    core_impl::policy_tile<kDecodeTile>(policy, rows[r], t0, n, s[r]);
+    alpha[r] = core_impl::row_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
@@ -378,21 +242,21 @@ template <class T> struct SpanWalker {
   }
 };
 
-/// One work item: every query row of one sequence against its key positions [begin, end).
+/// One work item: every query row of the batch's sequence b against its key positions [begin, end).
 /// The keys are walked span by span and, within a span, KV head by KV head: the order in which
 /// they lie in a page (PageLayout: [K, V][kv_heads][page_size][dim]), so the reads of a step are
 /// long runs of neighbouring bytes, and the (span, head) unit kPrefetchUnits units ahead is
 /// prefetched meanwhile. Writes the normalized partial output and {m, d} of every row to `part`:
 /// [kv_heads][rows][row_floats(dim)], rows = group · Q (row r: query i = r / group, head
 /// h·group + r % group), each row its output [dim] in pair order then {m, d}.
-/// D is the head size (0: read it from the layout at run time).
-template <class Isa, int D, class V, class T>
-void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int64_t end, const float* q, int group,
-                 int Q, std::int64_t q_row_stride, float scale, const DecodeParams& p, float* part,
+/// HeadDim is the head size (0: read it from the layout at run time).
+template <class Isa, int HeadDim, class P, class T>
+void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64_t end, const float* q, int group,
+                 int Q, std::int64_t q_row_stride, float scale, const P& policy, float* part,
                  float* q_scratch) noexcept {
-  const int dim = D > 0 ? D : kv.layout.head_dim;
+  const int dim = HeadDim > 0 ? HeadDim : kv.layout.head_dim;
   const int H = kv.layout.kv_heads, rows = group * Q;
-  const std::int64_t length = kv.length(seq);
+  const std::int64_t length = kv.length(b);
   const std::int64_t stride = partial_row_floats(dim);
   constexpr int kRowBlock = decode_row_block<Isa>();
 
@@ -414,7 +278,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
   const float* qr[kRowBlock];
-  std::int64_t qpos[kRowBlock];
+  QueryRow qrow[kRowBlock];
   float* o[kRowBlock];
   const int lookahead = std::min(kPrefetchUnits, H);  // in (span, head) units; < 2 spans
   const std::int64_t value_minus_key = kv.layout.value(0, 0) - kv.layout.key(0, 0);
@@ -422,7 +286,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
   Span<T> spans[2];
   Span<T>* cur = &spans[0];
   Span<T>* nxt = &spans[1];
-  SpanWalker<T> walker(kv, seq, begin, end);
+  SpanWalker<T> walker(kv, b, begin, end);
   walker.next(*cur);
   while (cur->n > 0) {
     walker.next(*nxt);
@@ -447,14 +311,15 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
           for (int r = 0; r < nr; ++r) {
             const int row = r0 + r;
             qr[r] = q_scratch + (std::int64_t{h} * rows + row) * dim;
-            qpos[r] = length - Q + row / group;
+            const int i = row / group;
+            qrow[r] = QueryRow{std::int64_t{b} * Q + i, length - Q + i, length - Q, h * group + (row - i * group)};
             o[r] = part + (std::int64_t{h} * rows + row) * stride;
           }
           switch (nr) {
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, D, NR, V>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); \
+      decode_tile<Isa, HeadDim, NR>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -463,7 +328,7 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, D, kRowBlock, V>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qpos, o, scale, p); break;
+            default: decode_tile<Isa, HeadDim, kRowBlock>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }
@@ -484,69 +349,59 @@ void decode_item(const PagedKvView<T>& kv, int seq, std::int64_t begin, std::int
 }  // namespace decode_impl
 
 /// Decode attention for a batch: see the top of this file for shapes. `kv` is one layer's view of
-/// the cache (PagedKvCache::view); `shape` must match its KV heads and head size. Calls
-/// pf(items, body) twice (the chunks, then their merge). Throws kvattn::invalid_argument or
-/// shape_error on inconsistent arguments, before any work; the kernels themselves never throw.
-template <class V = Plain, class Isa = isa::native, class T, class PF = SerialFor>
-void decode(const PagedKvView<T>& kv, const GqaShape& shape, const float* q, float* out, float* lse,
-            const DecodeParams& p, DecodeWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
-  detail::check_attention_args<V>("decode", shape, kv.layout, p.scale, p.window, p.soft_cap);
-  if (p.queries_per_seq < 1)
-    raise<invalid_argument>(detail::concat("decode: queries_per_seq=", p.queries_per_seq, ": must be positive"));
-  if (p.chunk_tokens < 0 || p.threads < 1)
-    raise<invalid_argument>(detail::concat("decode: chunk_tokens=", p.chunk_tokens, " threads=", p.threads,
-                                           ": chunk_tokens must be >= 0 and threads >= 1"));
-  if (kv.batch > 0 && (q == nullptr || out == nullptr))
-    raise<invalid_argument>("decode: q and out must not be null");
-
-  const int Q = p.queries_per_seq, group = shape.group_size(), D = shape.head_dim;
+/// the cache (PagedKvCache::view) for the batch `plan` was made for (DecodePlan::make, with a
+/// GqaShape); `policy` adds a variant (policy.hpp). Calls pf(items, body) twice (the chunks, then
+/// their merge). Throws kvattn::invalid_argument or shape_error on inconsistent arguments (a plan
+/// of another batch or head layout, a policy that does not fit the call), before any work; the
+/// kernels themselves never throw or allocate.
+template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
+            const P& policy = P{}, Isa = Isa{}) {
+  const GqaShape& shape = plan.check_call<GqaShape>("decode", kv, policy, q, out, plan.policy_call());
+  const int Q = plan.params().queries_per_seq, group = shape.group_size(), dim = shape.head_dim;
   const int rows = group * Q;  // query rows per (sequence, KV head)
-  const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(D));
-  const std::int64_t q_seq_stride = std::int64_t{Q} * shape.q_heads * D;  // floats per sequence
-  const std::int64_t q_row_stride = std::int64_t{shape.q_heads} * D;      // floats per query token
+  const float scale = plan.scale();
+  const std::int64_t q_seq_stride = std::int64_t{Q} * shape.q_heads * dim;  // floats per sequence
+  const std::int64_t q_row_stride = std::int64_t{shape.q_heads} * dim;      // floats per query token
 
   // Work items: (sequence, chunk of keys), every KV head of the chunk in one item (see
-  // decode_item); chunks chosen by the workspace are whole spans, so they start where pages do.
-  // About 8 items per thread where the batch alone gives fewer: a thread that starts late
-  // (woken by the parallel-for) then costs the others less than one item's time (4 per thread
-  // measured 2-3% slower at batch 1, two threads). Per item: the partial outputs
-  // [kv_heads][rows][row_floats], then its queries [kv_heads][rows][D], rounded up to a cache line.
-  const std::int64_t row_floats = decode_impl::partial_row_floats(D);
-  const std::int64_t item_floats = detail::whole_lines(std::int64_t{shape.kv_heads} * rows * (row_floats + D));
-  float* const base = ws.plan(kv, p.chunk_tokens, 8 * std::int64_t{p.threads}, decode_impl::kDecodeSpan, 256, item_floats);
+  // decode_item). Per item: the partial outputs [kv_heads][rows][row_floats], then its queries
+  // [kv_heads][rows][dim] (decode_layout::gqa_item_floats).
+  const std::int64_t row_floats = decode_layout::partial_row_floats(dim);
+  float* const base = plan.scratch();
+  const std::vector<DecodePlan::Item>& items = plan.items();
 
-  const auto run_item = [&](std::int64_t i) {
-    const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
-    const float* qb = q + it.seq * q_seq_stride;
-    float* part = base + it.partial;
-    float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
-    switch (D) {  // the common head sizes get loops of constant length
-      case 64: decode_impl::decode_item<Isa, 64, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
-      case 128: decode_impl::decode_item<Isa, 128, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
-      case 256: decode_impl::decode_item<Isa, 256, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
-      default: decode_impl::decode_item<Isa, 0, V>(kv, it.seq, it.begin, it.end, qb, group, Q, q_row_stride, scale, p, part, q_scratch); break;
-    }
-  };
-  pf(static_cast<std::int64_t>(ws.items.size()), run_item);
+  dispatch_head_dim(dim, [&](auto head_dim) {
+    constexpr int HeadDim = decltype(head_dim)::value;
+    pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
+      const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
+      float* part = base + it.partial;
+      float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
+      decode_impl::decode_item<Isa, HeadDim>(kv, it.batch_index, it.begin, it.end, q + it.batch_index * q_seq_stride, group, Q,
+                                             q_row_stride, scale, policy, part, q_scratch);
+    });
+  });
 
-  // Merge each (sequence, KV head)'s chunks and scatter rows to [b][i][h][D].
-  const auto merge_item = [&](std::int64_t bh) {
+  // Merge each (sequence, KV head)'s chunks (and the sink, counted once) and scatter rows to [b][i][h][dim].
+  pf(std::int64_t{kv.batch} * shape.kv_heads, [&](std::int64_t bh) {
     const int b = static_cast<int>(bh / shape.kv_heads), h = static_cast<int>(bh % shape.kv_heads);
-    const std::int64_t first = ws.first_item[static_cast<std::size_t>(b)];
-    const std::int64_t last = ws.first_item[static_cast<std::size_t>(b) + 1];
+    const std::int64_t first = plan.first_item(b), last = plan.first_item(b + 1);
     for (int r = 0; r < rows; ++r) {
       const int i = r / group, head = h * group + r % group;
-      float* o = out + b * q_seq_stride + i * q_row_stride + std::int64_t{head} * D;
+      float* o = out + b * q_seq_stride + i * q_row_stride + std::int64_t{head} * dim;
       SoftmaxStats st;
-      std::fill(o, o + D, 0.0f);
+      std::fill(o, o + dim, 0.0f);
       for (std::int64_t c = first; c < last; ++c) {
-        const float* part = base + ws.items[static_cast<std::size_t>(c)].partial + (std::int64_t{h} * rows + r) * row_floats;
-        merge_state(o, st, part, SoftmaxStats{part[D], part[D + 1]}, static_cast<std::size_t>(D));
+        const float* part = base + items[static_cast<std::size_t>(c)].partial + (std::int64_t{h} * rows + r) * row_floats;
+        merge_state(o, st, part, SoftmaxStats{part[dim], part[dim + 1]}, static_cast<std::size_t>(dim));
+      }
+      if constexpr (P::kSink) {
+        const float f = sink_factor(policy, st, head);
+        for (int c = 0; c < dim; ++c) o[c] *= f;
       }
       if (lse) lse[(std::int64_t{b} * Q + i) * shape.q_heads + head] = st.lse();
     }
-  };
-  pf(std::int64_t{kv.batch} * shape.kv_heads, merge_item);
+  });
 }
 
 KVATTN_END_TARGET_NAMESPACE

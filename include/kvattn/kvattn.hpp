@@ -11,7 +11,9 @@
 #include "paged_cache.hpp"
 #include "parallel.hpp"
 #include "state.hpp"
+#include "policy.hpp"
 #include "simd.hpp"
+#include "core.hpp"
 #include "decode.hpp"
 #include "prefill.hpp"
 #include "rope.hpp"
@@ -25,5 +27,6 @@
 #include "cuda/append.hpp"
 #include "cuda/decode.hpp"
 #include "cuda/mla_decode.hpp"
+#include "cuda/plan.hpp"
 #include "cuda/runtime.hpp"
 #endif

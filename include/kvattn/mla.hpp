@@ -14,7 +14,7 @@
 // attention, before the cache.)
 //
 // Two ways to compute it:
-//   unfolded (mla_prefill): rebuild k_i and v_i of every cached token from its latent and run
+//   unfolded (mla_prefill, a batch of chunks): rebuild k_i and v_i of every cached token from its latent and run
 //     causal attention; many queries share the rebuild, so it suits prefill, and it is the
 //     oracle of the folded path;
 //   folded (fold, mla_decode_layer): W_UK,i moves onto the query (q̃_i = W_UK,iᵀ q_i^C) and
@@ -39,10 +39,12 @@
 #include <vector>
 
 #include "config.hpp"
+#include "core.hpp"
 #include "error.hpp"
 #include "mla_decode.hpp"
 #include "paged_cache.hpp"
 #include "parallel.hpp"
+#include "policy.hpp"
 #include "rope.hpp"
 #include "shape.hpp"
 #include "storage.hpp"
@@ -176,11 +178,19 @@ struct MlaFolded {
 };
 
 /// Scratch memory of the MLA layer functions; reuse it across calls (it only grows). The fields
-/// belong to those functions.
+/// belong to those functions; each holds, for the tokens of a call:
 struct MlaWorkspace {
-  MlaMatrix a, b, c, d, e, f;
-  std::vector<std::int64_t> positions;
-  MlaDecodeWorkspace attention;
+  MlaMatrix latent;        ///< [tokens][latent_dim] latents (mla_prefill: every cached token's)
+  MlaMatrix rope_key;      ///< [tokens][rope_dim] rotary keys, rotated (mla_prefill: every cached token's)
+  MlaMatrix query_latent;  ///< [tokens][q_latent_dim] c^Q
+  MlaMatrix query;         ///< [tokens][heads][nope_dim + rope_dim] queries (mla_decode_layer: absorbed, [heads][latent_dim + rope_dim])
+  MlaMatrix query_rope;    ///< [tokens][heads][rope_dim] the queries' rotary parts
+  MlaMatrix query_nope;    ///< [tokens][heads][nope_dim or latent_dim] mla_decode_layer: the non-rotary parts before W_UK
+  MlaMatrix head_kv;       ///< mla_prefill: one head's rebuilt keys [L][nope_dim] then values [L][v_head_dim]
+  MlaMatrix scores;        ///< mla_prefill: one block of queries' probabilities over the keys it sees
+  MlaMatrix attention;     ///< [tokens][heads][v_head_dim] (mla_decode_layer: [heads][latent_dim]) attention outputs
+  MlaMatrix values;        ///< mla_decode_layer: [tokens][heads][v_head_dim] W_UV applied
+  std::vector<std::int64_t> positions;  ///< [tokens] each token's position
 };
 
 KVATTN_BEGIN_TARGET_NAMESPACE
@@ -205,8 +215,8 @@ void latents(const MlaWeights& w, const float* hidden, std::int64_t tokens, cons
   rotate<Isa>(w.rope(), rope_key, 1, positions);
 }
 
-/// Queries [tokens][heads][nope_dim + rope_dim] of hidden states, rotary parts rotated; rq is
-/// scratch.
+/// Queries [tokens][heads][nope_dim + rope_dim] of hidden states, rotary parts rotated; rq and cq
+/// are scratch.
 template <class Isa>
 void queries(const MlaWeights& w, const float* hidden, std::int64_t tokens, const std::int64_t* positions,
              MlaMatrix& q, MlaMatrix& rq, MlaMatrix& cq) {
@@ -225,17 +235,20 @@ void queries(const MlaWeights& w, const float* hidden, std::int64_t tokens, cons
   for (int i = 0; i < s.heads; ++i) q.middleCols(std::int64_t{i} * K + s.nope_dim, s.rope_dim) = rq.middleCols(std::int64_t{i} * s.rope_dim, s.rope_dim);
 }
 
-template <class T, class M>
-void check_cache(const char* op, const MlaShape& s, const PagedKvCache<T, M>& cache, SeqId seq, int layer) {
-  const PageLayout& l = cache.layout();
-  if (l.content != PageContent::mla || l.latent_dim != s.latent_dim || l.rope_dim != s.rope_dim)
-    raise<shape_error>(detail::concat(op, ": the weights' latent_dim=", s.latent_dim, " rope_dim=", s.rope_dim,
-                                      " do not match the cache's ", l.content == PageContent::mla ? "" : "(GQA-family) ",
-                                      "latent_dim=", l.latent_dim, " rope_dim=", l.rope_dim));
-  if (!cache.contains(seq)) raise<invalid_argument>(detail::concat(op, "(seq=", seq, "): no such sequence"));
+/// The cache holds MLA pages of the weights' widths, and `layer` is one of its layers.
+template <class T, class M> void check_cache(const char* op, const MlaShape& s, const PagedKvCache<T, M>& cache, int layer) {
+  detail::check_layout(op, s, cache.layout());
   if (layer < 0 || layer >= cache.config().layers)
     raise<invalid_argument>(detail::concat(op, ": layer=", layer, " is outside [0, ", cache.config().layers, ")"));
 }
+template <class T, class M> void check_sequence(const char* op, const PagedKvCache<T, M>& cache, SeqId seq) {
+  if (!cache.contains(seq)) raise<invalid_argument>(detail::concat(op, "(seq=", seq, "): no such sequence"));
+}
+
+/// Unfolded MLA of one sequence's last `count` tokens, whose pages are writable (see mla_prefill).
+template <class Isa, class T, class M>
+void prefill_sequence(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t count,
+                      const float* hidden, float* out, MlaWorkspace& ws);
 
 }  // namespace mla_layer_impl
 
@@ -297,7 +310,8 @@ MlaFolded fold(const MlaWeights& w, MlaFoldChoice choice = MlaFoldChoice::cheape
 template <class Isa = isa::native, class T, class M>
 void mla_append(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t first,
                 std::int64_t count, const float* hidden, MlaWorkspace& ws, Isa = Isa{}) {
-  mla_layer_impl::check_cache("mla_append", w.shape(), cache, seq, layer);
+  mla_layer_impl::check_cache("mla_append", w.shape(), cache, layer);
+  mla_layer_impl::check_sequence("mla_append", cache, seq);
   const std::int64_t length = cache.length(seq);
   if (count <= 0 || first < 0 || first > length - count)
     raise<invalid_argument>(detail::concat("mla_append(seq=", seq, ", position=", first, ", count=", count,
@@ -305,43 +319,69 @@ void mla_append(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int l
   if (hidden == nullptr) raise<invalid_argument>("mla_append: hidden must not be null");
   ws.positions.resize(static_cast<std::size_t>(count));
   for (std::int64_t i = 0; i < count; ++i) ws.positions[static_cast<std::size_t>(i)] = first + i;
-  mla_layer_impl::latents<Isa>(w, hidden, count, ws.positions.data(), ws.a, ws.b);
-  cache.write_latent(seq, layer, first, count, ws.a.data(), ws.b.data());
+  mla_layer_impl::latents<Isa>(w, hidden, count, ws.positions.data(), ws.latent, ws.rope_key);
+  cache.write_latent(seq, layer, first, count, ws.latent.data(), ws.rope_key.data());
 }
 
-/// Unfolded MLA for the last `count` tokens of `seq` (a prefill chunk, or a decode step done the
-/// unfolded way): writes their latents (mla_append), rebuilds every cached token's per-head key
-/// and value from its latent, and runs causal attention of the chunk's queries over them, head
-/// by head, in blocks of queries (no tokens × tokens score matrix).
-///   hidden  [count][hidden]  fp32, the chunk's hidden states
-///   out     [count][hidden]  fp32, W_O times the heads' attention outputs
-/// Checks and errors as mla_append (and a null `out`).
+/// Unfolded MLA for a batch of chunks (a prefill step, or a decode step done the unfolded way):
+/// each sequence's chunk is its last batch.tokens(b) tokens (appended already). Writes their
+/// latents (mla_append), rebuilds every cached token's per-head key and value from its latent, and
+/// runs causal attention of the chunk's queries over them, head by head, in blocks of queries (no
+/// tokens × tokens score matrix).
+///   hidden  [total][hidden]  fp32, the chunks' hidden states (sequence b's are rows
+///                             [batch.indptr()[b], batch.indptr()[b + 1]))
+///   out     [total][hidden]  fp32, W_O times the heads' attention outputs
+/// All or nothing: every chunk is checked and the shared pages of every chunk are copied
+/// (copy-on-write) before anything is written. Throws kvattn::shape_error when the cache is not an
+/// MLA cache of the weights' widths; kvattn::invalid_argument for a layer out of range, an unknown
+/// or repeated sequence, a chunk longer than its sequence or a null array; kvattn::capacity_error
+/// when the pool cannot hold the copies.
 template <class Isa = isa::native, class T, class M>
-void mla_prefill(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t count,
-                 const float* hidden, float* out, MlaWorkspace& ws, Isa = Isa{}) {
+void mla_prefill(const MlaWeights& w, PagedKvCache<T, M>& cache, int layer, const ChunkBatch& batch, const float* hidden,
+                 float* out, MlaWorkspace& ws, Isa = Isa{}) {
   using namespace mla_layer_impl;
-  check_cache("mla_prefill", w.shape(), cache, seq, layer);
+  constexpr const char* op = "mla_prefill";
+  check_cache(op, w.shape(), cache, layer);
+  std::vector<TokenRange> ranges(static_cast<std::size_t>(batch.size()));
+  for (int b = 0; b < batch.size(); ++b) {
+    check_sequence(op, cache, batch.seq(b));
+    const std::int64_t n = batch.tokens(b), L = cache.length(batch.seq(b));
+    if (n > L)
+      raise<invalid_argument>(detail::concat(op, ": sequence ", batch.seq(b), " has a chunk of ", n, " tokens but holds ", L,
+                                             " (append the chunk first)"));
+    ranges[static_cast<std::size_t>(b)] = {batch.seq(b), L - n, n};
+  }
+  if (batch.total() > 0 && (hidden == nullptr || out == nullptr)) raise<invalid_argument>("mla_prefill: hidden and out must not be null");
+  cache.make_writable(ranges, op);
+  const std::int64_t width = w.hidden();
+  for (int b = 0; b < batch.size(); ++b)
+    if (batch.tokens(b) > 0) {
+      const std::int64_t row = batch.indptr()[static_cast<std::size_t>(b)];
+      prefill_sequence<Isa>(w, cache, batch.seq(b), layer, batch.tokens(b), hidden + row * width, out + row * width, ws);
+    }
+}
+
+namespace mla_layer_impl {
+template <class Isa, class T, class M>
+void prefill_sequence(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t count,
+                      const float* hidden, float* out, MlaWorkspace& ws) {
   const std::int64_t L = cache.length(seq), first = L - count;
-  if (count <= 0 || first < 0)
-    raise<invalid_argument>(detail::concat("mla_prefill(seq=", seq, ", count=", count, "): the chunk must be the last ",
-                                           "count > 0 of the sequence's ", L, " tokens (append them first)"));
-  if (out == nullptr) raise<invalid_argument>("mla_prefill: out must not be null");
   mla_append<Isa>(w, cache, seq, layer, first, count, hidden, ws);
 
   const MlaShape& s = w.shape();
   const int H = s.heads, K = s.qk_head_dim(), Dc = s.latent_dim, Dv = s.v_head_dim;
   // Every cached token's latent and rotary key, as stored (rounded to T), in fp32.
-  MlaMatrix& lat = ws.a;
-  MlaMatrix& kr = ws.b;
+  MlaMatrix& lat = ws.latent;
+  MlaMatrix& kr = ws.rope_key;
   lat.resize(L, Dc);
   kr.resize(L, s.rope_dim);
   for (std::int64_t t = 0; t < L; ++t) cache.read_latent(seq, layer, t, lat.row(t).data(), kr.row(t).data());
-  queries<Isa>(w, hidden, count, ws.positions.data(), ws.c, ws.d, ws.e);  // (positions: set by mla_append)
-  const MlaMatrix& q = ws.c;
-  MlaMatrix& o = ws.d;  // [count][heads · v]
+  queries<Isa>(w, hidden, count, ws.positions.data(), ws.query, ws.query_rope, ws.query_latent);  // (positions: set by mla_append)
+  const MlaMatrix& q = ws.query;
+  MlaMatrix& o = ws.attention;  // [count][heads · v]
   o.resize(count, std::int64_t{H} * Dv);
-  MlaMatrix& kv = ws.e;  // head i's rebuilt keys [L][nope] then values [L][v]
-  MlaMatrix& sc = ws.f;  // scores of a block of queries
+  MlaMatrix& kv = ws.head_kv;  // head i's rebuilt keys [L][nope] then values [L][v]
+  MlaMatrix& sc = ws.scores;   // scores of a block of queries
   const float scale = static_cast<float>(w.scale());
   constexpr std::int64_t kBlock = 64;
   for (int i = 0; i < H; ++i) {
@@ -367,30 +407,33 @@ void mla_prefill(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int 
   }
   Map(out, count, w.hidden()).noalias() = o * w.out().transpose();
 }
+}  // namespace mla_layer_impl
 
 /// One folded decode step of an MLA layer for a batch: every sequence's last Q tokens (their
 /// latents written already, mla_append) attend over the sequence's cache, scored straight
 /// against the latents (mla_decode).
-///   kv      one layer's view of the cache (PagedKvCache::view), batch sequences
+///   kv      one layer's view of the cache (PagedKvCache::view), the batch `plan` was made for
 ///   hidden  [batch][Q][hidden]  fp32, the new tokens' hidden states (query i at L_b − Q + i)
 ///   out     [batch][Q][hidden]  fp32
-/// p.scale is ignored (folded into the queries). The projections run on the calling thread;
-/// attention through `pf`. Throws as mla_decode, and kvattn::shape_error when `f` does not
-/// match the cache's widths.
-template <class Isa = isa::native, class T, class PF = SerialFor>
-void mla_decode_layer(const MlaFolded& f, const PagedKvView<T>& kv, const float* hidden, float* out,
-                      const MlaDecodeParams& p, MlaWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
+/// `plan` is the step's DecodePlan made with f.shape and scale 0: the fold carries the softmax
+/// scale in its query weights, so another scale is rejected. `policy` adds a variant to the
+/// attention (policy.hpp). The projections run on the calling thread; attention through `pf`.
+/// Throws as mla_decode, and kvattn::shape_error when `f` does not match the plan's shape.
+template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+void mla_decode_layer(const MlaFolded& f, const PagedKvView<T>& kv, const float* hidden, float* out, DecodePlan& plan,
+                      MlaWorkspace& ws, PF&& pf = PF{}, const P& policy = P{}, Isa = Isa{}) {
   using namespace mla_layer_impl;
+  constexpr const char* op = "mla_decode_layer";
   const MlaShape& s = f.shape;
-  if (kv.layout.content != PageContent::mla || kv.layout.latent_dim != s.latent_dim || kv.layout.rope_dim != s.rope_dim)
-    raise<shape_error>(detail::concat("mla_decode_layer: the folded weights' latent_dim=", s.latent_dim, " rope_dim=",
-                                      s.rope_dim, " do not match the cache's latent_dim=", kv.layout.latent_dim,
-                                      " rope_dim=", kv.layout.rope_dim));
-  if (p.queries_per_seq < 1)
-    raise<invalid_argument>(detail::concat("mla_decode_layer: queries_per_seq=", p.queries_per_seq, ": must be positive"));
-  if (kv.batch > 0 && (hidden == nullptr || out == nullptr))
-    raise<invalid_argument>("mla_decode_layer: hidden and out must not be null");
-  const int Q = p.queries_per_seq, H = s.heads, Dc = s.latent_dim, Dr = s.rope_dim, Kt = Dc + Dr;
+  plan.check(op, kv);
+  if (const MlaShape* ps = std::get_if<MlaShape>(&plan.shape()); ps == nullptr || *ps != s)
+    raise<shape_error>(detail::concat(op, ": the plan was not made for the folded weights' shape (heads=", s.heads,
+                                      " latent_dim=", s.latent_dim, " rope_dim=", s.rope_dim, " nope_dim=", s.nope_dim, ")"));
+  if (plan.params().scale != 0.0f)
+    raise<invalid_argument>(detail::concat(op, ": the plan's scale=", plan.params().scale,
+                                           ": the folded weights carry the softmax scale; make the plan with scale 0"));
+  if (kv.batch > 0 && (hidden == nullptr || out == nullptr)) raise<invalid_argument>("mla_decode_layer: hidden and out must not be null");
+  const int Q = plan.params().queries_per_seq, H = s.heads, Dc = s.latent_dim, Dr = s.rope_dim, Kt = Dc + Dr;
   const std::int64_t tokens = std::int64_t{kv.batch} * Q;
   ws.positions.resize(static_cast<std::size_t>(tokens));
   for (int b = 0; b < kv.batch; ++b)
@@ -398,20 +441,20 @@ void mla_decode_layer(const MlaFolded& f, const PagedKvView<T>& kv, const float*
 
   // Absorbed queries q̃ [tokens][heads][latent_dim + rope_dim], scaled.
   const ConstMap h(hidden, tokens, f.hidden);
-  MlaMatrix& cq = ws.a;
+  MlaMatrix& cq = ws.query_latent;
   if (s.has_q_latent()) cq.noalias() = h * f.q_down.transpose();
   const auto cq_or_h = [&](auto&& use) { s.has_q_latent() ? use(cq) : use(h); };
-  MlaMatrix& qt = ws.b;
+  MlaMatrix& qt = ws.query;
   qt.resize(tokens, std::int64_t{H} * Kt);
-  MlaMatrix& qr = ws.c;
+  MlaMatrix& qr = ws.query_rope;
   cq_or_h([&](const auto& x) { qr.noalias() = x * f.q_rope.transpose(); });
   rotate<Isa>(f.rope, qr, H, ws.positions.data());
   if (f.fused_query) {
-    MlaMatrix& qc = ws.d;
+    MlaMatrix& qc = ws.query_nope;
     cq_or_h([&](const auto& x) { qc.noalias() = x * f.q_absorb.transpose(); });
     for (int i = 0; i < H; ++i) qt.middleCols(std::int64_t{i} * Kt, Dc) = qc.middleCols(std::int64_t{i} * Dc, Dc);
   } else {
-    MlaMatrix& qn = ws.d;
+    MlaMatrix& qn = ws.query_nope;
     cq_or_h([&](const auto& x) { qn.noalias() = x * f.q_nope.transpose(); });
     for (int i = 0; i < H; ++i)
       qt.middleCols(std::int64_t{i} * Kt, Dc).noalias() =
@@ -420,18 +463,16 @@ void mla_decode_layer(const MlaFolded& f, const PagedKvView<T>& kv, const float*
   for (int i = 0; i < H; ++i) qt.middleCols(std::int64_t{i} * Kt + Dc, Dr) = qr.middleCols(std::int64_t{i} * Dr, Dr);
 
   // Attention in latent space: ol [tokens][heads][latent_dim].
-  MlaMatrix& ol = ws.e;
+  MlaMatrix& ol = ws.attention;
   ol.resize(tokens, std::int64_t{H} * Dc);
-  MlaDecodeParams ap = p;
-  ap.scale = 1.0f;
-  mla_decode<Isa>(kv, s, qt.data(), ol.data(), nullptr, ap, ws.attention, pf);
+  mla_impl::run(op, kv, qt.data(), ol.data(), nullptr, plan, pf, policy, 1.0f, Isa{});
 
   // Output: W_O (W_UV,i o_i) per head, or the fused W_O,i W_UV,i.
   Map o(out, tokens, f.hidden);
   if (f.fused_output) {
     o.noalias() = ol * f.out_absorb.transpose();
   } else {
-    MlaMatrix& ov = ws.f;
+    MlaMatrix& ov = ws.values;
     ov.resize(tokens, std::int64_t{H} * s.v_head_dim);
     for (int i = 0; i < H; ++i)
       ov.middleCols(std::int64_t{i} * s.v_head_dim, s.v_head_dim).noalias() =

@@ -19,7 +19,9 @@
 // them. On a CPU this is compute-bound: a tile is converted to fp32 once and then reused, from
 // the caches, by every head; the products run in register blocks (rows × tokens for scores,
 // rows × columns for values) that keep both FMA pipes busy. Long sequences are split into
-// chunks of keys merged through their log-sum-exp (state.hpp), as decode() does.
+// chunks of keys merged through their log-sum-exp (state.hpp), as decode() does. A score policy
+// (policy.hpp) adds a variant, as for decode(); calls take the step's DecodePlan (core.hpp),
+// made with the MlaShape.
 #pragma once
 
 #include <algorithm>
@@ -31,10 +33,11 @@
 #include <vector>
 
 #include "config.hpp"
-#include "decode.hpp"
+#include "core.hpp"
 #include "error.hpp"
 #include "paged_cache.hpp"
 #include "parallel.hpp"
+#include "policy.hpp"
 #include "shape.hpp"
 #include "simd.hpp"
 #include "state.hpp"
@@ -42,88 +45,48 @@
 
 namespace kvattn {
 
-struct MlaDecodeParams {
-  int queries_per_seq = 1;        ///< Q: new tokens per sequence, the last Q of its cache
-  float scale = 0.0f;             ///< softmax scale; 0: 1 / sqrt(nope_dim + rope_dim)
-  std::int64_t chunk_tokens = 0;  ///< split-KV chunk length; 0: chosen from the work and `threads`
-  int threads = 1;                ///< threads the parallel-for will use (for choosing chunks)
-};
-
-/// Scratch memory of mla_decode(): work items, each item's queries, tile and partial result.
-/// Keep one per concurrent caller and reuse it across steps; it only grows.
-using MlaDecodeWorkspace = DecodeWorkspace;
-
 KVATTN_BEGIN_TARGET_NAMESPACE
 namespace mla_impl {
 
-/// Tokens per tile: converted to fp32 once, then read by every query row.
-inline constexpr int kMlaTile = 64;
-/// Register blocks. Scores: kRows query rows × kTokens tokens, one accumulator vector each
-/// (lanes along the inner dimension, summed lanes-wise at the end with Vec::sum_each). Values:
-/// kRows rows × kVecs vectors of columns (lanes along the latent). 16 accumulators where there
-/// are 32 vector registers, 8 on AVX2.
+using decode_layout::kMlaTile;  // tokens per tile: converted to fp32 once, then read by every query row
+using Dims = decode_layout::Mla;
+/// Register blocks. Scores: score_rows() query rows × kScoreTokens tokens, one accumulator vector
+/// each (lanes along the inner dimension, summed lanes-wise at the end with Vec::sum_each).
+/// Values: rows_block() rows × kVecs vectors of columns (lanes along the latent). 16 accumulators
+/// where there are 32 vector registers, 8 on AVX2.
 template <class Isa> constexpr int rows_block() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
 template <class Isa> constexpr int score_rows() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
-template <class Isa> constexpr int score_tokens() { return std::is_same_v<Isa, isa::avx2> ? 4 : 4; }
-inline constexpr int kTokens = 4;
+inline constexpr int kScoreTokens = 4;
 inline constexpr int kVecs = 4;
 /// Tokens of the tile scored against every row block before the next ones.
 inline constexpr int kScoreGroup = 8;
-/// Query rows are padded to a multiple of this (every rows_block divides it).
-inline constexpr int kRowPad = 8;
+static_assert(decode_layout::kMlaRowPad % 4 == 0, "the row blocks (2 or 4 rows) divide the padded rows");
 
 constexpr std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-using detail::kLineFloats;  // every row an item works on starts on a cache line
 
-/// Widths of one item's arrays, in floats.
-template <class Isa> struct Dims {
-  int K;                 ///< scored width, latent_dim + rope_dim
-  int Kp;                ///< K rounded up to whole cache lines (queries and tile rows, zero padded)
-  int Dp;                ///< latent_dim rounded up to whole vectors (output columns computed)
-  int rows, rows_p;      ///< query rows Q · heads, and rounded up to kRowPad
-  std::int64_t o_stride;  ///< floats per output row: Dp, then {m, d}, whole cache lines
-
-  Dims(const MlaShape& s, int Q) {
-    constexpr int W = simd::Vec<Isa>::lanes;
-    K = s.latent_dim + s.rope_dim;
-    Kp = static_cast<int>(round_up(K, kLineFloats));
-    Dp = static_cast<int>(round_up(s.latent_dim, W));
-    rows = Q * s.heads;
-    rows_p = static_cast<int>(round_up(rows, kRowPad));
-    o_stride = round_up(Dp + 2, kLineFloats);
-  }
-  /// Floats of one item: outputs [rows_p][o_stride], queries [rows_p][Kp], tile [kMlaTile][Kp],
-  /// probabilities [rows_p][kMlaTile], rescale factors [rows_p].
-  std::int64_t item_floats() const {
-    return round_up(std::int64_t{rows_p} * o_stride + std::int64_t{rows_p} * Kp + std::int64_t{kMlaTile} * Kp +
-                        std::int64_t{rows_p} * kMlaTile + rows_p,
-                    kLineFloats);
-  }
-};
-
-/// s[r][t0 + t] = Σ_k q[r][k] · c[t][k] for R rows and kTokens tokens (rows Kp apart).
-template <class Isa, int R, int kTokens>
+/// s[r][t0 + t] = Σ_k q[r][k] · c[t][k] for R rows and NT tokens (rows Kp apart).
+template <class Isa, int R, int NT>
 KVATTN_ALWAYS_INLINE void score_block(const float* q, const float* c, int Kp, float (*s)[kMlaTile], int t0,
                                       const float* next_q) noexcept {
   using Vec = simd::Vec<Isa>;
-  constexpr int W = Vec::lanes, N = R * kTokens;
+  constexpr int W = Vec::lanes, N = R * NT;
   static_assert(N % W == 0, "the accumulators are summed lanes-wise in groups of W");
   Vec acc[N];
   KVATTN_UNROLL for (int i = 0; i < N; ++i) acc[i] = Vec::zero();
   for (int k = 0; k < Kp; k += W) {
     if (next_q != nullptr)
       KVATTN_UNROLL for (int r = 0; r < R; ++r) KVATTN_PREFETCH(next_q + std::int64_t{r} * Kp + k);
-    Vec cv[kTokens];
-    KVATTN_UNROLL for (int t = 0; t < kTokens; ++t) cv[t] = Vec::load(c + std::int64_t{t} * Kp + k);
+    Vec cv[NT];
+    KVATTN_UNROLL for (int t = 0; t < NT; ++t) cv[t] = Vec::load(c + std::int64_t{t} * Kp + k);
     KVATTN_UNROLL for (int r = 0; r < R; ++r) {
       const Vec qv = Vec::load(q + std::int64_t{r} * Kp + k);
-      KVATTN_UNROLL for (int t = 0; t < kTokens; ++t) acc[r * kTokens + t] = fma(qv, cv[t], acc[r * kTokens + t]);
+      KVATTN_UNROLL for (int t = 0; t < NT; ++t) acc[r * NT + t] = fma(qv, cv[t], acc[r * NT + t]);
     }
   }
   alignas(64) float sums[N];
   KVATTN_UNROLL for (int g = 0; g < N; g += W) Vec::sum_each(&acc[g]).store(sums + g);
   KVATTN_UNROLL for (int r = 0; r < R; ++r)
-    KVATTN_UNROLL for (int t = 0; t < kTokens; ++t) s[r][t0 + t] = sums[r * kTokens + t];
+    KVATTN_UNROLL for (int t = 0; t < NT; ++t) s[r][t0 + t] = sums[r * NT + t];
 }
 
 /// o[r][c0, c0 + V·W) = alpha[r] · o[r] + Σ_t p[r][t] c[t] over those columns, R rows.
@@ -149,12 +112,13 @@ KVATTN_ALWAYS_INLINE void value_block(const float* c, int Kp, int n, const float
     KVATTN_UNROLL for (int j = 0; j < V; ++j) acc[r][j].store(o + r * o_stride + c0 + j * W);
 }
 
-/// One work item: every query row of sequence `seq` against its key positions [begin, end).
-/// Writes the normalized partial output and {m, d} of every row to `o` ([rows_p][o_stride]);
-/// `scratch` holds the item's queries, tile and probabilities (Dims::item_floats).
-template <class Isa, class T>
-void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int64_t begin, std::int64_t end,
-              const float* q, int heads, int Q, float scale, float* o, float* scratch) noexcept {
+/// One work item: every query row of the batch's sequence b against its key positions
+/// [begin, end), with the policy's window, logits and mask. Writes the normalized partial output
+/// and {m, d} of every row to `o` ([rows_p][o_stride]); `scratch` holds the item's queries, tile
+/// and probabilities (Dims::item_floats).
+template <class Isa, class P, class T>
+void mla_item(const PagedKvView<T>& kv, const Dims& dims, int b, std::int64_t begin, std::int64_t end, const float* q,
+              int heads, int Q, float scale, const P& policy, float* o, float* scratch) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, R = rows_block<Isa>();
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -176,15 +140,17 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
     std::fill(qr + (r < rows ? K : 0), qr + Kp, 0.0f);
   }
   if (begin >= end) return;
-  const std::int64_t length = kv.length(seq);
-  const std::int32_t* pages = kv.indices + kv.indptr[seq];
-  const int P = kv.layout.page_size;
-  const auto row_of = [&](std::int64_t t) { return kv.page(pages[t / P]) + kv.layout.latent(static_cast<int>(t % P)); };
+  const std::int64_t length = kv.length(b);
+  const std::int32_t* pages = kv.indices + kv.indptr[b];
+  const int page_size = kv.layout.page_size;
+  const auto row_of = [&](std::int64_t t) {
+    return kv.page(pages[t / page_size]) + kv.layout.latent(static_cast<int>(t % page_size));
+  };
   const int row_bytes = K * static_cast<int>(sizeof(T));
 
   for (std::int64_t t0 = begin; t0 < end; t0 += kMlaTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kMlaTile, end - t0));
-    const int n_pad = static_cast<int>(round_up(n, kTokens));
+    const int n_pad = static_cast<int>(round_up(n, kScoreTokens));
     // The tile in fp32, rows Kp apart, zero padded; the next tile's rows prefetched meanwhile.
     for (int t = 0; t < n; ++t) {
       float* dst = tile + std::int64_t{t} * Kp;
@@ -199,20 +165,20 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
 
     // 1. Scores of every row against the tile: groups of kScoreGroup tokens (which stay in the
     //    first-level cache) against every block of rows in turn.
-    constexpr int RS = score_rows<Isa>(), NT = score_tokens<Isa>();
+    constexpr int RS = score_rows<Isa>(), NT = kScoreTokens;
     for (int tg = 0; tg < n_pad; tg += kScoreGroup)
       for (int r0 = 0; r0 < rows_p; r0 += RS)
         for (int tb = tg; tb < std::min(tg + kScoreGroup, n_pad); tb += NT)
           score_block<Isa, RS, NT>(qs + std::int64_t{r0} * Kp, tile + std::int64_t{tb} * Kp, Kp, s + r0, tb,
                                    tb == tg && W > 1 ? qs + std::int64_t{(r0 + RS) % rows_p} * Kp : nullptr);
 
-    // 2. Online softmax per row; the tokens row r sees are [0, hi) of the tile.
+    // 2. Per row: the policy's part (window, logits, mask), then the online softmax. Padding rows
+    //    see nothing (told of the last row, at position -1).
     for (int r = 0; r < rows_p; ++r) {
-      float* orow = o + r * os;
-      const std::int64_t last = r < rows ? length - Q + r / heads - t0 : -1;  // padding rows see nothing
-      const int hi = static_cast<int>(std::clamp<std::int64_t>(last + 1, 0, n));
-      for (int t = hi; t < kMlaTile; ++t) s[r][t] = kNegInf;
-      alpha[r] = decode_impl::online_softmax<Isa, kMlaTile>(s[r], orow + Dp);
+      const int rr = r < rows ? r : rows - 1, i = rr / heads;
+      const QueryRow row{std::int64_t{b} * Q + i, r < rows ? length - Q + i : -1, length - Q, rr - i * heads};
+      core_impl::policy_tile<kMlaTile>(policy, row, t0, n, s[r]);
+      alpha[r] = core_impl::row_softmax<Isa, kMlaTile>(s[r], o + r * os + Dp);
     }
 
     // 3. o = alpha · o + P · C over the latent columns: a block of columns of the tile (which
@@ -232,63 +198,56 @@ void mla_item(const PagedKvView<T>& kv, const Dims<Isa>& dims, int seq, std::int
   }
 }
 
-}  // namespace mla_impl
 
-/// MLA decode attention in latent space for a batch: see the top of this file for shapes. `kv`
-/// is one layer's view of an MLA cache (PagedKvCache::view); `shape` must match its latent and
-/// rotary widths. Calls pf(items, body) twice (the chunks, then their merge). Throws
-/// kvattn::invalid_argument or shape_error on inconsistent arguments, before any work; the
-/// kernels themselves never throw or allocate.
-template <class Isa = isa::native, class T, class PF = SerialFor>
-void mla_decode(const PagedKvView<T>& kv, const MlaShape& shape, const float* q, float* out, float* lse,
-                const MlaDecodeParams& p, MlaDecodeWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
-  shape.validate();
-  if (kv.layout.content != PageContent::mla || kv.layout.latent_dim != shape.latent_dim ||
-      kv.layout.rope_dim != shape.rope_dim)
-    raise<shape_error>(detail::concat("mla_decode: shape latent_dim=", shape.latent_dim, " rope_dim=", shape.rope_dim,
-                                      " does not match the cache's ",
-                                      kv.layout.content == PageContent::mla ? "" : "(GQA-family) ",
-                                      "latent_dim=", kv.layout.latent_dim, " rope_dim=", kv.layout.rope_dim));
-  if (!(std::isfinite(p.scale) && p.scale >= 0.0f))
-    raise<invalid_argument>(detail::concat("mla_decode: scale=", p.scale, ": must be finite and >= 0 (0: 1/sqrt(nope_dim + rope_dim))"));
-  if (p.queries_per_seq < 1 || p.chunk_tokens < 0 || p.threads < 1)
-    raise<invalid_argument>(detail::concat("mla_decode: queries_per_seq=", p.queries_per_seq, " chunk_tokens=", p.chunk_tokens,
-                                           " threads=", p.threads,
-                                           ": queries_per_seq and threads must be positive, chunk_tokens >= 0"));
-  if (kv.batch > 0 && (q == nullptr || out == nullptr)) raise<invalid_argument>("mla_decode: q and out must not be null");
-
-  const int Q = p.queries_per_seq, H = shape.heads, Dc = shape.latent_dim;
-  const mla_impl::Dims<Isa> dims(shape, Q);
-  const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(shape.qk_head_dim()));
+/// mla_decode with the scale given (mla_decode_layer: 1, the fold has it); `op` names the caller.
+template <class T, class PF, class P, class Isa>
+void run(const char* op, const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf,
+         const P& policy, float scale, Isa) {
+  const MlaShape& shape = plan.check_call<MlaShape>(op, kv, policy, q, out, plan.policy_call());
+  const int Q = plan.params().queries_per_seq, H = shape.heads, Dc = shape.latent_dim;
+  const Dims dims(shape, Q);
   const std::int64_t q_seq = std::int64_t{dims.rows} * dims.K;  // floats of q per sequence
   const std::int64_t out_seq = std::int64_t{dims.rows} * Dc;
+  float* const base = plan.scratch();
+  const std::vector<DecodePlan::Item>& items = plan.items();
 
-  // Work items: (sequence, chunk of keys), all heads in one item; chunks chosen by the
-  // workspace are whole tiles, at least 8 of them.
-  constexpr std::int64_t tile = mla_impl::kMlaTile;
-  float* const base = ws.plan(kv, p.chunk_tokens, 2 * std::int64_t{p.threads}, tile, 8 * tile, dims.item_floats());
-
-  pf(static_cast<std::int64_t>(ws.items.size()), [&](std::int64_t i) {
-    const DecodeWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
+  // Work items: (sequence, chunk of keys), all heads in one item.
+  pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
+    const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
     float* o = base + it.partial;
     float* scratch = o + std::int64_t{dims.rows_p} * dims.o_stride;
-    mla_impl::mla_item<Isa>(kv, dims, it.seq, it.begin, it.end, q + it.seq * q_seq, H, Q, scale, o, scratch);
+    mla_item<Isa>(kv, dims, it.batch_index, it.begin, it.end, q + it.batch_index * q_seq, H, Q, scale, policy, o, scratch);
   });
 
-  // Merge each sequence's chunks, row by row, into out [b][i][h][latent_dim].
+  // Merge each sequence's chunks (and the sink, counted once), row by row, into out [b][i][h][latent_dim].
   pf(std::int64_t{kv.batch} * dims.rows, [&](std::int64_t br) {
     const int b = static_cast<int>(br / dims.rows), r = static_cast<int>(br % dims.rows);
     float* orow = out + b * out_seq + std::int64_t{r} * Dc;
     SoftmaxStats st;
     std::fill(orow, orow + Dc, 0.0f);
-    const std::int64_t first = ws.first_item[static_cast<std::size_t>(b)];
-    const std::int64_t last = ws.first_item[static_cast<std::size_t>(b) + 1];
-    for (std::int64_t c = first; c < last; ++c) {
-      const float* part = base + ws.items[static_cast<std::size_t>(c)].partial + r * dims.o_stride;
+    for (std::int64_t c = plan.first_item(b); c < plan.first_item(b + 1); ++c) {
+      const float* part = base + items[static_cast<std::size_t>(c)].partial + r * dims.o_stride;
       merge_state(orow, st, part, SoftmaxStats{part[dims.Dp], part[dims.Dp + 1]}, static_cast<std::size_t>(Dc));
+    }
+    if constexpr (P::kSink) {
+      const float f = sink_factor(policy, st, r % H);
+      for (int c = 0; c < Dc; ++c) orow[c] *= f;
     }
     if (lse) lse[std::int64_t{b} * dims.rows + r] = st.lse();
   });
+}
+}  // namespace mla_impl
+
+/// MLA decode attention in latent space for a batch: see the top of this file for shapes. `kv`
+/// is one layer's view of an MLA cache (PagedKvCache::view) for the batch `plan` was made for
+/// (DecodePlan::make, with the MlaShape); `policy` adds a variant (policy.hpp). Calls
+/// pf(items, body) twice (the chunks, then their merge). Throws kvattn::invalid_argument or
+/// shape_error on inconsistent arguments, before any work; the kernels themselves never throw or
+/// allocate.
+template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
+                const P& policy = P{}, Isa = Isa{}) {
+  mla_impl::run("mla_decode", kv, q, out, lse, plan, pf, policy, plan.scale(), Isa{});
 }
 
 KVATTN_END_TARGET_NAMESPACE

@@ -52,6 +52,7 @@
 #include <variant>
 #include <vector>
 
+#include "config.hpp"
 #include "error.hpp"
 #include "memory.hpp"
 #include "model.hpp"
@@ -161,6 +162,14 @@ struct BatchPageTable {
   int batch() const noexcept { return indptr.empty() ? 0 : static_cast<int>(indptr.size()) - 1; }
 };
 
+/// Tokens of sequence b of a CSR page table (pages of page_size tokens): its full pages and the
+/// tokens of its last. The host's and the GPU kernels' one formula.
+KVATTN_HOST_DEVICE inline std::int64_t sequence_length(const std::int32_t* indptr, const std::int32_t* last_page_len, int page_size,
+                                                       int b) noexcept {
+  const std::int32_t pages = indptr[b + 1] - indptr[b];
+  return pages == 0 ? 0 : std::int64_t{pages - 1} * page_size + last_page_len[b];
+}
+
 /// What a kernel needs to read one layer of a batch: pointers and integers only.
 template <class T> struct PagedKvView {
   const T* pool = nullptr;                      ///< this layer: [num_pages][layout.page_stride]
@@ -173,10 +182,7 @@ template <class T> struct PagedKvView {
   /// First element of page `page` in this layer: [layout.page_stride].
   const T* page(std::int32_t page_id) const noexcept { return pool + std::int64_t{page_id} * layout.page_stride; }
   /// Tokens of sequence b.
-  std::int64_t length(int b) const noexcept {
-    const std::int32_t pages = indptr[b + 1] - indptr[b];
-    return pages == 0 ? 0 : std::int64_t{pages - 1} * layout.page_size + last_page_len[b];
-  }
+  KVATTN_HOST_DEVICE std::int64_t length(int b) const noexcept { return sequence_length(indptr, last_page_len, layout.page_size, b); }
 };
 
 /// Counts and bytes of a cache at one moment.
@@ -222,7 +228,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   PagedKvCache(PagedKvCache&& other) noexcept
       : config_(other.config_), layout_(other.layout_), layer_stride_(other.layer_stride_), pool_(other.pool_),
         pool_bytes_(other.pool_bytes_), refcount_(std::move(other.refcount_)), free_(std::move(other.free_)),
-        seqs_(std::move(other.seqs_)), next_id_(other.next_id_) {
+        seqs_(std::move(other.seqs_)), next_id_(other.next_id_), generation_(other.generation_ + 1) {
     other.pool_ = nullptr;
     other.pool_bytes_ = 0;
     other.config_.num_pages = 0;
@@ -230,6 +236,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     other.refcount_.clear();
     other.free_.clear();
     other.seqs_.clear();
+    ++other.generation_;
   }
   PagedKvCache& operator=(PagedKvCache&& other) noexcept {
     if (this != &other) {
@@ -241,6 +248,11 @@ template <class T, class M = HostMemory> class PagedKvCache {
 
   const CacheConfig& config() const noexcept { return config_; }
   const PageLayout& layout() const noexcept { return layout_; }
+  /// A count of the changes that can move a sequence's tokens or pages: append, fork, truncate,
+  /// remove, and every copy-on-write copy (a write into a shared page included). What was taken
+  /// of the cache at one generation (page tables, views, plans) describes it while the
+  /// generation is the same; writes that copy nothing and add_sequence leave it alone.
+  std::uint64_t generation() const noexcept { return generation_; }
 
   // ---- sequences -----------------------------------------------------------------------------
 
@@ -283,6 +295,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     const SeqId id = next_id_;
     const Sequence& child = seqs_.emplace(id, std::move(copy)).first->second;
     ++next_id_;
+    ++generation_;
     for (PageId p : child.pages) ++refcount_[page_index(p)];
     return id;
   }
@@ -299,6 +312,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
       s.pages.pop_back();
     }
     s.length = new_length;
+    ++generation_;
   }
 
   /// Removes `seq`; its pages return to the pool unless another sequence shares them.
@@ -306,6 +320,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     Sequence& s = get(seq, "remove");
     for (PageId p : s.pages) release_page(p);
     seqs_.erase(seq);
+    ++generation_;
   }
 
   /// For writers outside the cache (a device kernel writing through slots): checks that tokens
@@ -323,21 +338,22 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// w of the ranges write and r sequences hold needs min(w, r - 1) copies (the last holder left
   /// may write it in place). A sequence may appear once; ranges of count 0 are only checked.
   /// Throws invalid_argument (unknown or repeated sequence, range outside it) or capacity_error.
-  void make_writable(const std::vector<TokenRange>& ranges) {
+  /// `op` names the caller in the messages.
+  void make_writable(const std::vector<TokenRange>& ranges, const char* op = "make_writable") {
     const std::int64_t P = config_.page_size;
     std::vector<SeqId> ids;
     std::vector<PageId> written;  // each range's pages, once per range
     ids.reserve(ranges.size());
     for (const TokenRange& r : ranges) {
-      const Sequence& s = get(r.seq, "make_writable");
+      const Sequence& s = get(r.seq, op);
       ids.push_back(r.seq);
       if (r.count == 0) continue;
-      check_position(r.seq, s, r.first, r.count, "make_writable");
+      check_position(r.seq, s, r.first, r.count, op);
       for (std::int64_t i = r.first / P; i <= (r.first + r.count - 1) / P; ++i) written.push_back(s.pages[static_cast<std::size_t>(i)]);
     }
     std::sort(ids.begin(), ids.end());
     if (const auto twice = std::adjacent_find(ids.begin(), ids.end()); twice != ids.end())
-      raise<invalid_argument>(detail::concat("make_writable: sequence ", *twice, " appears more than once among the ", ranges.size(),
+      raise<invalid_argument>(detail::concat(op, ": sequence ", *twice, " appears more than once among the ", ranges.size(),
                                              " ranges"));
     std::sort(written.begin(), written.end());
     std::int64_t copies = 0;
@@ -346,7 +362,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
       copies += std::min<std::int64_t>(static_cast<std::int64_t>(j - i), refcount_[page_index(written[i])] - 1);
     }
     if (copies > free_pages())
-      raise<capacity_error>(detail::concat("make_writable: the ", ranges.size(), " ranges need ", copies, " copies of shared pages, the pool has ",
+      raise<capacity_error>(detail::concat(op, ": the ", ranges.size(), " ranges need ", copies, " copies of shared pages, the pool has ",
                                            free_pages(), " free"));
     for (const TokenRange& r : ranges) {  // cannot fail now: every copy has its page
       if (r.count == 0) continue;
@@ -605,6 +621,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
       for (std::int64_t t = s.length; t < s.length + a.n; ++t)
         *slots++ = Slot{s.pages[static_cast<std::size_t>(t / P)], static_cast<std::int32_t>(t % P)};
     s.length += a.n;
+    ++generation_;
   }
 
   Sequence& get(SeqId seq, const char* op) {
@@ -648,6 +665,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
       M::copy(layer_data(l) + std::int64_t{copy} * layout_.page_stride, layer_data(l) + std::int64_t{old} * layout_.page_stride, bytes);
     release_page(old);
     s.pages[static_cast<std::size_t>(i)] = copy;
+    ++generation_;
   }
 
   /// Validates a write of tokens [first, first + count) and makes their pages private to `seq`.
@@ -695,6 +713,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     free_.swap(o.free_);
     seqs_.swap(o.seqs_);
     std::swap(next_id_, o.next_id_);
+    std::swap(generation_, o.generation_);
   }
 
   CacheConfig config_;
@@ -706,6 +725,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   std::vector<PageId> free_;       // free page ids, capacity num_pages
   std::unordered_map<SeqId, Sequence> seqs_;
   SeqId next_id_ = 0;
+  std::uint64_t generation_ = 0;
 };
 
 }  // namespace kvattn

@@ -1,16 +1,20 @@
 // kvattn/prefill.hpp — causal (chunked) prefill attention for the MHA / GQA / MQA family.
 //
-// A chunk of n new tokens per sequence: their keys and values are written into the paged cache
+// A chunk of new tokens per sequence: their keys and values are written into the paged cache
 // (the tokens must already be appended, cache.append(seq, n), as the last n of the sequence), and
 // each new token's queries attend causally to everything cached at or before its position: the
 // earlier chunks as well as the new tokens before it. Chunking a prompt any way gives the same
-// result as one-shot prefill.
+// result as one-shot prefill. A score policy (policy.hpp) adds a variant: a sliding window, a
+// soft-cap, ALiBi, attention sinks, a tree mask over the chunk's tokens, or several (compose).
 //
-//   q_indptr [batch + 1]                 sequence b's chunk is rows [q_indptr[b], q_indptr[b+1])
-//   q        [total][q_heads][head_dim]  fp32 (total = q_indptr[batch])
-//   k, v     [total][kv_heads][head_dim] fp32, written into `layer` of the cache
-//   out      [total][q_heads][head_dim]  fp32
-//   lse      [total][q_heads]            fp32, natural log; optional
+// A step's chunks are described once (ChunkBatch: sequence b's chunk is rows
+// [indptr[b], indptr[b + 1]) of q, k, v, out, lse), planned once (PrefillPlan: checks, the
+// copy-on-write of shared pages for every layer, the page table, the work items and their
+// scratch), and run per layer:
+//   q    [total][q_heads][head_dim]   fp32 (total = the batch's tokens)
+//   k, v [total][kv_heads][head_dim]  fp32, written into the layer of the cache
+//   out  [total][q_heads][head_dim]   fp32
+//   lse  [total][q_heads]             fp32, natural log; optional
 //
 // Tiled as FlashAttention is: work items are (sequence, KV head, block of query tokens), and each
 // runs over the key tiles its block can see with an online softmax, so no score matrix of size
@@ -21,58 +25,49 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-#include "decode.hpp"
+#include "config.hpp"
+#include "core.hpp"
+#include "error.hpp"
 #include "paged_cache.hpp"
 #include "parallel.hpp"
+#include "policy.hpp"
 #include "rope.hpp"
+#include "shape.hpp"
 #include "simd.hpp"
+#include "state.hpp"
 
 namespace kvattn {
 
 struct PrefillParams {
-  float scale = 0.0f;            ///< softmax scale; 0: 1 / sqrt(head_dim)
-  std::int64_t window = 0;       ///< sliding window W (Variant<true, ...>)
-  float soft_cap = 0.0f;         ///< soft-cap (Variant<..., true>), > 0
+  float scale = 0.0f;  ///< softmax scale; 0: 1 / sqrt(head_dim)
   /// Query tokens per work item, from 1 to kMaxQueryBlock; a chunk shorter than this is one block.
   int query_block = 64;
+  /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
+  /// positions (each token's index in its sequence) before the keys are cached and attended to;
+  /// q and k are only read (the rotated copies live in the plan). rope->head_dim() must equal
+  /// the shape's head_dim. Null: q and k are used as given.
+  const Rope* rope = nullptr;
+
   /// The largest query_block, and the most query rows (group size × the block actually used) one
   /// item may hold: an item's scratch grows with its rows.
   static constexpr int kMaxQueryBlock = 4096;
-  static constexpr std::int64_t kMaxItemRows = std::int64_t{1} << 20;
-  /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
-  /// positions (each token's index in its sequence) before the keys are cached and attended to;
-  /// q and k are only read (the rotated copies live in the workspace). rope->head_dim() must
-  /// equal shape.head_dim. Null: q and k are used as given.
-  const Rope* rope = nullptr;
+  static constexpr std::int64_t kMaxItemRows = kMaxRowsPerItem;
 };
 
-/// Scratch memory of prefill(); reuse it across calls. The fields belong to prefill().
-struct PrefillWorkspace {
-  struct Item {
-    std::int32_t seq, kv_head;
-    std::int64_t q_begin, q_end;  ///< rows of q (global token index)
-  };
-  std::vector<Item> items;
-  std::vector<float> scratch;  ///< per lane: packed queries, a tile's keys and values, probabilities, stats
-  std::vector<float> rotated_q;  ///< with PrefillParams::rope: [total][q_heads][head_dim] the queries, rotated
-  std::vector<float> rotated_k;  ///< with PrefillParams::rope: [total][kv_heads][head_dim] the keys, rotated
-  std::vector<std::int64_t> positions;  ///< with PrefillParams::rope: [total] each chunk token's position
-};
-
-KVATTN_BEGIN_TARGET_NAMESPACE
-namespace prefill_impl {
-
-inline constexpr int kTile = 32;  // keys per tile: each output row is loaded, rescaled and stored once per tile
-inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
-
-/// Lanes of work items per hardware thread (see prefill()): enough that a parallel-for handing
-/// out lanes one at a time still balances them over its threads.
+namespace prefill_layout {
+inline constexpr int kTile = 32;  ///< keys per tile: each output row is loaded, rescaled and stored once per tile
+/// Lanes of work items per thread of the parallel-for (see prefill()): enough that a parallel-for
+/// handing out lanes one at a time still balances them over its threads.
 inline constexpr int kLanesPerThread = 8;
+/// Vector lanes the plan sizes scratch for: the most any instruction set has.
+inline constexpr int kMaxLanes = 16;
 
 /// An item's scratch: where each region starts, in floats from the item's start, which is on a
 /// cache line, as every region's is (a vector load that straddles two lines costs two: on
@@ -86,8 +81,9 @@ struct ScratchLayout {
   std::int64_t acc_out;  ///< the outputs, accumulated: [blocks · W][dim] (padding rows too)
   std::int64_t floats;   ///< in all, a whole number of cache lines
 
-  template <class Isa> static constexpr ScratchLayout of(std::int64_t rows, int dim) noexcept {
-    constexpr int W = simd::Vec<Isa>::lanes;
+  /// The layout for `rows` query rows in vectors of W lanes (the plan sizes every lane's scratch
+  /// for 16, the most any instruction set has: no layout is larger).
+  static constexpr ScratchLayout of(std::int64_t rows, int dim, int W) noexcept {
     const std::int64_t blocks = (rows + W - 1) / W;
     std::int64_t at = 0;
     const auto take = [&at](std::int64_t n) {
@@ -109,6 +105,169 @@ struct ScratchLayout {
   }
 };
 
+}  // namespace prefill_layout
+
+/// One step's prefill: its chunks checked, their pages made writable, the page table, the work
+/// items and their scratch. Made once per step (make), read by every layer's prefill call.
+class PrefillPlan {
+ public:
+  /// A sequence's KV head and a block of its chunk's query tokens.
+  struct Item {
+    std::int32_t batch_index;     ///< b: the batch's sequence
+    std::int32_t kv_head;
+    std::int64_t q_begin, q_end;  ///< rows of q (the step's token index)
+  };
+
+  /// Checks the step (the shape against the cache, every chunk against its sequence, the
+  /// parameters) and makes the chunks' pages writable in every layer at once
+  /// (PagedKvCache::make_writable): all or nothing, a pool too small for the copy-on-write copies
+  /// throws capacity_error with the cache unchanged. Then takes the batch's page table and splits
+  /// the work for `threads` threads (or the parallel-for's, threads_of). Throws
+  /// kvattn::invalid_argument or shape_error on inconsistent arguments.
+  template <class T, class M>
+  void make(PagedKvCache<T, M>& cache, const ChunkBatch& batch, const GqaShape& shape, const PrefillParams& p, int threads) {
+    constexpr const char* op = "PrefillPlan::make";
+    shape.validate();
+    detail::check_layout(op, shape, cache.layout());
+    detail::check_scale(op, p.scale, "1/sqrt(head_dim)");
+    if (threads < 1) raise<invalid_argument>(detail::concat(op, ": threads=", threads, ": must be positive"));
+    if (p.query_block < 1 || p.query_block > PrefillParams::kMaxQueryBlock)
+      raise<invalid_argument>(detail::concat(op, ": query_block=", p.query_block, ": must be from 1 to ", PrefillParams::kMaxQueryBlock));
+    if (p.rope != nullptr && p.rope->head_dim() != shape.head_dim)
+      raise<shape_error>(detail::concat(op, ": rope head_dim=", p.rope->head_dim(), " does not match shape head_dim=", shape.head_dim));
+    std::vector<TokenRange> ranges(static_cast<std::size_t>(batch.size()));
+    std::int64_t longest = 0;
+    for (int b = 0; b < batch.size(); ++b) {
+      const SeqId s = batch.seq(b);
+      if (!cache.contains(s))
+        raise<invalid_argument>(detail::concat(op, ": sequence ", s, " (chunk ", b, " of the batch) is not in the cache"));
+      const std::int64_t n = batch.tokens(b), L = cache.length(s);
+      if (n > L)
+        raise<invalid_argument>(detail::concat(op, ": sequence ", s, " has a chunk of ", n, " tokens but holds ", L,
+                                               " (append the chunk first)"));
+      ranges[static_cast<std::size_t>(b)] = {s, L - n, n};
+      longest = std::max(longest, n);
+    }
+    // The block actually used: no longer than the longest chunk. Its rows size every item's
+    // scratch, counted in 64 bits before anything is allocated.
+    const int block = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.query_block, longest)));
+    if (std::int64_t{shape.group_size()} * block > PrefillParams::kMaxItemRows)
+      raise<invalid_argument>(detail::concat(op, ": query_block=", p.query_block, " with group size ", shape.group_size(),
+                                             " makes items of ", std::int64_t{shape.group_size()} * block,
+                                             " query rows: at most ", PrefillParams::kMaxItemRows));
+    // Every chunk's pages are made private (copy-on-write) before anything is written, for the
+    // whole batch and every layer at once: the layers' writes then copy nothing and cannot fail.
+    cache.make_writable(ranges, op);  // (also rejects a sequence that appears twice)
+
+    shape_ = shape;
+    params_ = p;
+    scale_ = softmax_scale(p.scale, shape.head_dim);
+    threads_ = threads;
+    batch_ = batch;
+    cache_ = &cache;
+    generation_ = cache.generation();
+    cache.build_page_table(batch.seqs().data(), batch.seqs().size(), table_);
+    first_pos_.resize(static_cast<std::size_t>(batch.size()));
+    for (int b = 0; b < batch.size(); ++b) first_pos_[static_cast<std::size_t>(b)] = ranges[static_cast<std::size_t>(b)].first;
+
+    // Items from the last query block of each sequence to the first: the later a block, the more
+    // keys it sees, and each lane below then ends on its cheap items.
+    const std::vector<std::int64_t>& indptr = batch.indptr();
+    items_.clear();
+    for (int b = 0; b < batch.size(); ++b)
+      for (std::int64_t n = batch.tokens(b), t = indptr[static_cast<std::size_t>(b)] + (n - 1) / block * block;
+           n > 0 && t >= indptr[static_cast<std::size_t>(b)]; t -= block)
+        for (int h = 0; h < shape.kv_heads; ++h)
+          items_.push_back({b, h, t, std::min<std::int64_t>(indptr[static_cast<std::size_t>(b) + 1], t + block)});
+    // The items are dealt round-robin into lanes, a few per thread; the parallel-for runs the
+    // lanes, and a lane runs its items one after another in a scratch of its own. The scratch
+    // thus grows with the threads, not with the prompt, and stays warm from item to item; and as
+    // consecutive items (the KV heads of one query block) cost the same, the lanes do too. Every
+    // lane's scratch starts on a cache line (per_lane is a whole number of them).
+    lanes_ = std::min<std::int64_t>(static_cast<std::int64_t>(items_.size()), std::int64_t{prefill_layout::kLanesPerThread} * threads);
+    per_lane_ = prefill_layout::ScratchLayout::of(std::int64_t{shape.group_size()} * block, shape.head_dim, prefill_layout::kMaxLanes).floats;
+    grow(scratch_, per_lane_ * lanes_ + detail::kLineFloats);
+    if (p.rope != nullptr) {
+      grow(rotated_q_, batch.total() * shape.q_heads * shape.head_dim);
+      grow(rotated_k_, batch.total() * shape.kv_heads * shape.head_dim);
+      grow(positions_, batch.total());
+      for (int b = 0; b < batch.size(); ++b)
+        for (std::int64_t t = 0; t < batch.tokens(b); ++t)
+          positions_[static_cast<std::size_t>(indptr[static_cast<std::size_t>(b)] + t)] = first_pos_[static_cast<std::size_t>(b)] + t;
+    }
+  }
+  /// make() with the threads of a parallel-for.
+  template <class T, class M, class PF, class = std::enable_if_t<!std::is_integral_v<PF>>>
+  void make(PagedKvCache<T, M>& cache, const ChunkBatch& batch, const GqaShape& shape, const PrefillParams& p, const PF& pf) {
+    make(cache, batch, shape, p, threads_of(pf));
+  }
+
+  /// Checks that the plan was made for `cache` as it is now (no mutation since: PagedKvCache::
+  /// generation) and that `layer` is one of its layers. Throws invalid_argument naming `op`.
+  template <class T, class M> void check(const char* op, const PagedKvCache<T, M>& cache, int layer) const {
+    if (cache_ == nullptr) raise<invalid_argument>(detail::concat(op, ": the plan was never made (PrefillPlan::make)"));
+    if (cache_ != static_cast<const void*>(&cache))
+      raise<invalid_argument>(detail::concat(op, ": the plan was made for another cache"));
+    if (cache.generation() != generation_)
+      raise<invalid_argument>(detail::concat(op, ": the cache has changed since the plan was made (generation ", generation_,
+                                             ", now ", cache.generation(), "): make the plan again"));
+    if (layer < 0 || layer >= cache.config().layers)
+      raise<invalid_argument>(detail::concat(op, ": layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+  }
+
+  const GqaShape& shape() const noexcept { return shape_; }
+  const PrefillParams& params() const noexcept { return params_; }
+  float scale() const noexcept { return scale_; }
+  int threads() const noexcept { return threads_; }
+  const ChunkBatch& batch() const noexcept { return batch_; }
+  /// The position of sequence b's first new token.
+  std::int64_t first_pos(int b) const noexcept { return first_pos_[static_cast<std::size_t>(b)]; }
+  const BatchPageTable& table() const noexcept { return table_; }
+  const std::vector<Item>& items() const noexcept { return items_; }
+  std::int64_t lanes() const noexcept { return lanes_; }
+  std::int64_t lane_floats() const noexcept { return per_lane_; }
+  /// Lane i's scratch: lane_floats() floats from a cache line.
+  float* lane_scratch(std::int64_t i) noexcept { return detail::align_to_line(scratch_.data()) + i * per_lane_; }
+  float* rotated_q() noexcept { return rotated_q_.data(); }
+  float* rotated_k() noexcept { return rotated_k_.data(); }
+  const std::int64_t* positions() const noexcept { return positions_.data(); }
+  /// What the policy of a call is checked against.
+  PolicyCall policy_call() const noexcept { return PolicyCall{shape_.q_heads, batch_.size(), batch_.indptr().data()}; }
+  std::size_t bytes() const noexcept {
+    return items_.capacity() * sizeof(Item) + (scratch_.capacity() + rotated_q_.capacity() + rotated_k_.capacity()) * sizeof(float) +
+           (positions_.capacity() + first_pos_.capacity()) * sizeof(std::int64_t) +
+           (table_.indptr.capacity() + table_.indices.capacity() + table_.last_page_len.capacity()) * sizeof(std::int32_t);
+  }
+
+ private:
+  template <class V> static void grow(V& buffer, std::int64_t n) {
+    if (buffer.size() < static_cast<std::size_t>(n)) buffer.resize(static_cast<std::size_t>(n));
+  }
+
+  GqaShape shape_;
+  PrefillParams params_;
+  float scale_ = 1.0f;
+  int threads_ = 1;
+  ChunkBatch batch_;
+  const void* cache_ = nullptr;  // the cache the plan was made for
+  std::uint64_t generation_ = 0;
+  BatchPageTable table_;
+  std::vector<std::int64_t> first_pos_;  // [batch]
+  std::vector<Item> items_;
+  std::int64_t lanes_ = 0, per_lane_ = 0;
+  std::vector<float> scratch_;           // [lanes][per_lane]: packed queries, a tile's keys and values, probabilities, stats
+  std::vector<float> rotated_q_;         // with PrefillParams::rope: [total][q_heads][head_dim] the queries, rotated
+  std::vector<float> rotated_k_;         // with PrefillParams::rope: [total][kv_heads][head_dim] the keys, rotated
+  std::vector<std::int64_t> positions_;  // with PrefillParams::rope: [total] each chunk token's position
+};
+
+KVATTN_BEGIN_TARGET_NAMESPACE
+namespace prefill_impl {
+
+using prefill_layout::kTile;
+using prefill_layout::ScratchLayout;
+inline constexpr int kScoreRegs = 16;  // score accumulators tile_scores keeps in registers
+
 /// Scores of NB consecutive blocks of W query rows against a tile: sc[j][t] (a vector of W
 /// rows) = Σ_d kf[t][d] · qb[j][d], kScoreRegs / NB keys per pass. Each broadcast key element
 /// serves NB blocks, and the kScoreRegs accumulators fill the registers: one load per NB fused
@@ -116,13 +275,13 @@ struct ScratchLayout {
 ///   qb  [NB][dim][W]  queries, rows in lanes     kf  [kTile][dim]     sc  [NB][kTile][W]
 // (tile_scores and tile_values are not inlined: on their own, their accumulators get the vector
 // registers, where inside the item the compiler was seen to spill the queries to the stack.)
-template <class Isa, int D, int NB>
+template <class Isa, int HeadDim, int NB>
 KVATTN_NOINLINE void tile_scores(const float* KVATTN_RESTRICT qb, const float* KVATTN_RESTRICT kf, int dim,
                                  float* KVATTN_RESTRICT sc) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, H = kScoreRegs / NB;  // keys per pass
   static_assert(kTile % H == 0);
-  if constexpr (D > 0) dim = D;
+  if constexpr (HeadDim > 0) dim = HeadDim;
   for (int h0 = 0; h0 < kTile; h0 += H) {
     Vec acc[NB][H];
     KVATTN_UNROLL for (int j = 0; j < NB; ++j)
@@ -144,13 +303,13 @@ KVATTN_NOINLINE void tile_scores(const float* KVATTN_RESTRICT qb, const float* K
 /// scratch, never read), R rows × 2 vectors of columns in registers at once: 2R independent
 /// accumulators cover the fused multiply-add latency.
 ///   pr  [kTile][W]  probabilities, rows in lanes     alpha [W]     vf [kTile][dim]     o [W][dim]
-template <class Isa, int D>
+template <class Isa, int HeadDim>
 KVATTN_NOINLINE void tile_values(const float* KVATTN_RESTRICT pr, const float* KVATTN_RESTRICT alpha,
                                  const float* KVATTN_RESTRICT vf, int dim, float* KVATTN_RESTRICT o) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes;
   constexpr int R = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
-  if constexpr (D > 0) dim = D;
+  if constexpr (HeadDim > 0) dim = HeadDim;
   for (int l0 = 0; l0 < W; l0 += R, o += std::int64_t{R} * dim) {
     const float* prl = pr + l0;
     int c = 0;
@@ -183,19 +342,21 @@ KVATTN_NOINLINE void tile_values(const float* KVATTN_RESTRICT pr, const float* K
   }
 }
 
-/// One item: rows = group · (q_end - q_begin) query rows (row r: token r / group, head r % group
-/// of the group) against keys [0, last position]. Writes normalized rows to out and lse.
-template <class Isa, int D, class V, class T>
-void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t first_pos, int tokens, const float* q,
-                  float* out, float* lse, int group, int q_heads, float scale, const PrefillParams& p,
-                  float* scratch) noexcept {
+/// One item: rows = group · tokens query rows (row r: token r / group, head r % group of the
+/// group) against keys [0, last position], with the policy's window, logits and mask. Writes
+/// normalized rows to out and lse. first_row: the item's first token's row along q's token
+/// dimension; first_new: the position of its sequence's first new token.
+template <class Isa, int HeadDim, class P, class T>
+void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t first_row, std::int64_t first_new,
+                  std::int64_t first_pos, int tokens, const float* q, float* out, float* lse, int group, int q_heads,
+                  float scale, const P& policy, float* scratch) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes;
-  const int dim = D > 0 ? D : kv.layout.head_dim;
+  const int dim = HeadDim > 0 ? HeadDim : kv.layout.head_dim;
   const int rows = group * tokens;
   const int blocks = (rows + W - 1) / W;
   const std::int64_t row_stride = std::int64_t{q_heads} * dim;  // floats per token in q and out
-  const ScratchLayout layout = ScratchLayout::of<Isa>(rows, dim);
+  const ScratchLayout layout = ScratchLayout::of(rows, dim, W);
   float* qt = scratch + layout.qt;            // [blocks][dim][W]
   float* kf = scratch + layout.kf;            // [kTile][dim]
   float* vf = scratch + layout.vf;            // [kTile][dim]
@@ -209,25 +370,34 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
   // a multiple of 4 KiB for the common shapes: they would share cache sets) once, normalized.
   const auto o_of = [&](int r) { return acc_out + std::int64_t{r} * dim; };
   const auto out_of = [&](int r) { return out + (r / group) * row_stride + std::int64_t{kv_head * group + r % group} * dim; };
+  // What the policy is told of row r (padding rows, past the last, are told of the last: they are
+  // scratch, never read, but the policy may read arrays indexed by the row).
+  const auto row_of = [&](int r) {
+    const int rr = r < rows ? r : rows - 1, t = rr / group;
+    return QueryRow{first_row + t, first_pos + t, first_new, kv_head * group + rr % group};
+  };
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-  for (int b = 0; b < blocks; ++b) {  // pack the queries, scaled, rows in lanes; zero the outputs
+  for (int blk = 0; blk < blocks; ++blk) {  // pack the queries, scaled, rows in lanes; zero the outputs
     const float* qrow[W];
-    for (int l = 0; l < W; ++l) qrow[l] = b * W + l < rows ? q_of(b * W + l) : nullptr;
+    for (int l = 0; l < W; ++l) qrow[l] = blk * W + l < rows ? q_of(blk * W + l) : nullptr;
     for (int d = 0; d < dim; ++d)  // (one vector of W rows at a time: the stores are contiguous)
-      for (int l = 0; l < W; ++l) qt[(std::int64_t{b} * dim + d) * W + l] = qrow[l] ? qrow[l][d] * scale : 0.0f;
+      for (int l = 0; l < W; ++l) qt[(std::int64_t{blk} * dim + d) * W + l] = qrow[l] ? qrow[l][d] * scale : 0.0f;
     for (int l = 0; l < W; ++l) {
-      mrow[b * W + l] = kNegInf;
-      drow[b * W + l] = 0.0f;
-      std::fill(o_of(b * W + l), o_of(b * W + l) + dim, 0.0f);  // (padding rows too: scratch, never read)
+      mrow[blk * W + l] = kNegInf;
+      drow[blk * W + l] = 0.0f;
+      std::fill(o_of(blk * W + l), o_of(blk * W + l) + dim, 0.0f);  // (padding rows too: scratch, never read)
     }
   }
 
   const std::int64_t last_pos = first_pos + tokens - 1;
-  std::int64_t key_begin = 0;
-  if constexpr (V::sliding_window) key_begin = std::max<std::int64_t>(0, first_pos - p.window + 1);
-  const int P = kv.layout.page_size;
-  const std::int32_t* pages = kv.indices + kv.indptr[seq];
+  std::int64_t key_begin = 0;  // no row sees a key before it
+  if constexpr (P::kWindow) {
+    key_begin = std::numeric_limits<std::int64_t>::max();
+    for (int r = 0; r < rows; ++r) key_begin = std::min(key_begin, policy_row(policy, row_of(r)).lo);
+  }
+  const int page_size = kv.layout.page_size;
+  const std::int32_t* pages = kv.indices + kv.indptr[b];
 
   for (std::int64_t t0 = key_begin; t0 <= last_pos; t0 += kTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kTile, last_pos + 1 - t0));
@@ -237,8 +407,8 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
     }
     for (int t = 0; t < n; ++t) {  // the tile's keys and values, converted to fp32 once
       const std::int64_t pos = t0 + t;
-      const T* page = kv.page(pages[pos / P]);
-      const int slot = static_cast<int>(pos % P);
+      const T* page = kv.page(pages[pos / page_size]);
+      const int slot = static_cast<int>(pos % page_size);
       const T* k = page + kv.layout.key(kv_head, slot);
       const T* v = page + kv.layout.value(kv_head, slot);
       int c = 0;
@@ -251,203 +421,136 @@ void prefill_item(const PagedKvView<T>& kv, int seq, int kv_head, std::int64_t f
         Vec::load_partial(v + c, dim - c).store_partial(vf + t * dim + c, dim - c);
       }
     }
-    for (int b = 0; b < blocks; ++b) {
-      const int r0 = b * W;
+    for (int blk = 0; blk < blocks; ++blk) {
+      const int r0 = blk * W;
       const std::int64_t block_last = first_pos + std::min(rows - 1, r0 + W - 1) / group;
       const std::int64_t block_first = first_pos + r0 / group;
-      // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d], for blocks b and b + 1 together
+      // Scores, rows in lanes: s[t] = Σ_d k_t[d] · q_rows[d], for blocks blk and blk + 1 together
       // (each key element loaded once for both) unless neither sees this tile.
-      if (b % 2 == 0 && t0 <= first_pos + std::min(rows - 1, r0 + 2 * W - 1) / group) {
-        const float* qb = qt + std::int64_t{b} * dim * W;
-        if (b + 1 < blocks)
-          tile_scores<Isa, D, 2>(qb, kf, dim, sc);
+      if (blk % 2 == 0 && t0 <= first_pos + std::min(rows - 1, r0 + 2 * W - 1) / group) {
+        const float* qb = qt + std::int64_t{blk} * dim * W;
+        if (blk + 1 < blocks)
+          tile_scores<Isa, HeadDim, 2>(qb, kf, dim, sc);
         else
-          tile_scores<Isa, D, 1>(qb, kf, dim, sc);
+          tile_scores<Isa, HeadDim, 1>(qb, kf, dim, sc);
       }
       if (t0 > block_last) continue;  // causal: no row of this block sees this tile
-      float* sb = sc + (b % 2) * kTile * W;  // this block's scores: [kTile][W]
-      if constexpr (V::soft_cap)
-        for (int i = 0; i < kTile * W; ++i) sb[i] = p.soft_cap * std::tanh(sb[i] / p.soft_cap);
-      const bool diagonal = t0 + kTile - 1 > block_first;  // some row cannot see some key (or padding)
-      const bool windowed = V::sliding_window && t0 <= block_last - p.window;
-      if (diagonal || windowed) {
-        std::int64_t qpos[W];  // each lane's token position
-        for (int l = 0; l < W; ++l) qpos[l] = first_pos + (r0 + l) / group;
-        for (int t = 0; t < kTile; ++t)
-          for (int l = 0; l < W; ++l) {
-            const std::int64_t pos = t0 + t;
-            bool visible = pos <= qpos[l];  // (padding lies past last_pos, so past every qpos)
-            if constexpr (V::sliding_window) visible = visible && pos > qpos[l] - p.window;
-            if (!visible) sb[t * W + l] = kNegInf;
-          }
-      }
+      float* sb = sc + (blk % 2) * kTile * W;  // this block's scores: [kTile][W]
+      if constexpr (P::kLogits)
+        for (int l = 0; l < W; ++l) {
+          const PolicyRow row = policy_row(policy, row_of(r0 + l));
+          for (int t = 0; t < kTile; ++t) sb[t * W + l] = policy_logit(policy, row, sb[t * W + l], t0 + t);
+        }
+      // Some row cannot see some key of the tile (or its zero padding): causally, by the window,
+      // or by the mask. Then every lane's keys as policy.hpp's sees() says (padding rows, told of
+      // the last row, see what it sees; they are never read).
+      bool masked = t0 + kTile - 1 > block_first;
+      if constexpr (P::kWindow || P::kMask)
+        for (int l = 0; l < W && !masked; ++l) {
+          const PolicyRow row = policy_row(policy, row_of(r0 + l));
+          masked = t0 < row.lo || t0 + kTile > row.mask_from;
+        }
+      if (masked)
+        for (int l = 0; l < W; ++l) {
+          const PolicyRow row = policy_row(policy, row_of(r0 + l));
+          for (int t = 0; t < kTile; ++t)
+            if (!sees(policy, row, t0 + t)) sb[t * W + l] = kNegInf;
+        }
       // Online softmax for W rows at once.
-      const Vec m_old = Vec::load(mrow + r0);
-      Vec m_new = m_old;
-      for (int t = 0; t < kTile; ++t) m_new = max(m_new, Vec::load(sb + t * W));
-      // α = exp(m_old - m_new) is 0 for a row that had seen nothing (m_old = -inf, also when
-      // m_new is: simd exp maps NaN to 0); a row that still sees nothing shifts by the lowest
-      // finite float instead of -inf, so its probabilities are exp(-inf) = 0, never NaN.
-      const Vec a = exp(m_old - m_new);
-      const Vec shift = max(m_new, Vec::set1(std::numeric_limits<float>::lowest()));
+      Vec block_max = Vec::load(sb);
+      for (int t = 1; t < kTile; ++t) block_max = max(block_max, Vec::load(sb + t * W));
+      const SoftmaxStep<Vec> step = softmax_step(Vec::load(mrow + r0), block_max);
       float alpha[W];
-      a.store(alpha);
+      step.alpha.store(alpha);
       Vec sum[2] = {Vec::zero(), Vec::zero()};  // (two chains of additions)
       for (int t = 0; t < kTile; ++t) {
-        const Vec e = exp(Vec::load(sb + t * W) - shift);
+        const Vec e = exp(Vec::load(sb + t * W) - step.shift);
         e.store(pr + t * W);
         sum[t % 2] = sum[t % 2] + e;
       }
-      fma(Vec::load(drow + r0), a, sum[0] + sum[1]).store(drow + r0);
-      m_new.store(mrow + r0);
-      tile_values<Isa, D>(pr, alpha, vf, dim, o_of(r0));
+      fma(Vec::load(drow + r0), step.alpha, sum[0] + sum[1]).store(drow + r0);
+      step.m.store(mrow + r0);
+      tile_values<Isa, HeadDim>(pr, alpha, vf, dim, o_of(r0));
     }
   }
-  for (int r = 0; r < rows; ++r) {  // normalize into out, and the log-sum-exp
+  for (int r = 0; r < rows; ++r) {  // normalize into out (the sink counted once), and the log-sum-exp
     const float* o = o_of(r);
     float* dst = out_of(r);
-    const float dsum = drow[r];
-    const float inv = dsum > 0.0f ? 1.0f / dsum : 0.0f;  // (a row that saw nothing has o = 0)
-    for (int c = 0; c < dim; ++c) dst[c] = o[c] * inv;
-    if (lse) lse[(r / group) * q_heads + kv_head * group + r % group] = SoftmaxStats{mrow[r], dsum}.lse();
+    SoftmaxStats st{mrow[r], drow[r]};
+    float factor = st.d > 0.0f ? 1.0f / st.d : 0.0f;  // (a row that saw nothing has o = 0)
+    factor *= sink_factor(policy, st, kv_head * group + r % group);
+    for (int c = 0; c < dim; ++c) dst[c] = o[c] * factor;
+    if (lse) lse[(r / group) * q_heads + kv_head * group + r % group] = st.lse();
   }
 }
 
 }  // namespace prefill_impl
 
-/// Chunked causal prefill for one layer of a batch; see the top of this file for shapes. Each
-/// sequence appears once in `seqs`. All or nothing: every argument is checked and the shared
-/// pages of every chunk are copied (copy-on-write, PagedKvCache::make_writable) before any key
-/// or value is written; a pool too small for those copies throws capacity_error with the cache
-/// unchanged.
-template <class V = Plain, class Isa = isa::native, class T, class M, class PF = SerialFor>
-void prefill(PagedKvCache<T, M>& cache, int layer, const std::vector<SeqId>& seqs, const std::int64_t* q_indptr,
-             const GqaShape& shape, const float* q, const float* k, const float* v, float* out, float* lse,
-             const PrefillParams& p, PrefillWorkspace& ws, PF&& pf = PF{}, Isa = Isa{}) {
-  detail::check_attention_args<V>("prefill", shape, cache.layout(), p.scale, p.window, p.soft_cap);
-  if (p.query_block < 1 || p.query_block > PrefillParams::kMaxQueryBlock)
-    raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, ": must be from 1 to ",
-                                           PrefillParams::kMaxQueryBlock));
-  if (p.rope != nullptr && p.rope->head_dim() != shape.head_dim)
-    raise<shape_error>(detail::concat("prefill: rope head_dim=", p.rope->head_dim(), " does not match shape head_dim=",
-                                      shape.head_dim));
-  const int batch = static_cast<int>(seqs.size());
-  if (q_indptr[0] != 0) raise<invalid_argument>(detail::concat("prefill: q_indptr[0]=", q_indptr[0], ": must be 0"));
-  for (int b = 0; b < batch; ++b) {
-    const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
-    if (n < 0 || n > cache.length(seqs[static_cast<std::size_t>(b)]))
-      raise<invalid_argument>(detail::concat("prefill: sequence ", seqs[static_cast<std::size_t>(b)], " has a chunk of ", n,
-                                             " tokens but holds ", cache.length(seqs[static_cast<std::size_t>(b)]),
-                                             " (append the chunk first)"));
-  }
-  if (layer < 0 || layer >= cache.config().layers)
-    raise<invalid_argument>(detail::concat("prefill: layer=", layer, " is outside [0, ", cache.config().layers, ")"));
-  // The block actually used: no longer than the longest chunk. Its rows size every item's scratch,
-  // counted in 64 bits before anything is allocated.
-  std::int64_t longest = 0;
-  for (int b = 0; b < batch; ++b) longest = std::max(longest, q_indptr[b + 1] - q_indptr[b]);
-  const int query_block = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.query_block, longest)));
-  if (std::int64_t{shape.group_size()} * query_block > PrefillParams::kMaxItemRows)
-    raise<invalid_argument>(detail::concat("prefill: query_block=", p.query_block, " with group size ", shape.group_size(),
-                                           " makes items of ", std::int64_t{shape.group_size()} * query_block,
-                                           " query rows: at most ", PrefillParams::kMaxItemRows));
-  // Every chunk's pages are made private (copy-on-write) before anything is written, for the
-  // whole batch at once: a pool too small for the copies of a later sequence fails the call
-  // before an earlier sequence has changed (the writes below then copy nothing and cannot fail).
-  {
-    std::vector<TokenRange> ranges(static_cast<std::size_t>(batch));
-    for (int b = 0; b < batch; ++b) {
-      const SeqId s = seqs[static_cast<std::size_t>(b)];
-      const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
-      ranges[static_cast<std::size_t>(b)] = {s, cache.length(s) - n, n};
-    }
-    cache.make_writable(ranges);
-  }
+/// Chunked causal prefill of one layer for the step `plan` was made for (PrefillPlan::make); see
+/// the top of this file for shapes. Writes the chunks' keys and values into `layer` (after
+/// rotating them, with PrefillParams::rope), then attends; `policy` adds a variant (policy.hpp).
+/// Throws kvattn::invalid_argument before anything is written when the plan does not fit (another
+/// cache, a cache changed since, a layer out of range), the policy does not fit the call, or an
+/// array is null.
+template <class T, class M, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+void prefill(PagedKvCache<T, M>& cache, int layer, const float* q, const float* k, const float* v, float* out, float* lse,
+             PrefillPlan& plan, PF&& pf = PF{}, const P& policy = P{}, Isa = Isa{}) {
+  plan.check("prefill", cache, layer);
+  check_policy("prefill", policy, plan.policy_call());
+  const ChunkBatch& batch = plan.batch();
+  if (batch.total() > 0 && (q == nullptr || k == nullptr || v == nullptr || out == nullptr))
+    raise<invalid_argument>("prefill: q, k, v and out must not be null");
+  const GqaShape& shape = plan.shape();
+  const int group = shape.group_size(), dim = shape.head_dim;
 
   // With RoPE, copies of the chunk's queries and keys are rotated at their positions (q and k are
   // only read), blocks of tokens in parallel; everything below reads the copies.
-  if (p.rope != nullptr) {
-    const std::int64_t total = q_indptr[batch];
-    const std::int64_t q_row = std::int64_t{shape.q_heads} * shape.head_dim;
-    const std::int64_t k_row = std::int64_t{shape.kv_heads} * shape.head_dim;
-    const auto grow = [](auto& buffer, std::int64_t n) {
-      if (buffer.size() < static_cast<std::size_t>(n)) buffer.resize(static_cast<std::size_t>(n));
-    };
-    grow(ws.rotated_q, total * q_row);
-    grow(ws.rotated_k, total * k_row);
-    grow(ws.positions, total);
-    for (int b = 0; b < batch; ++b) {
-      const std::int64_t chunk_first = cache.length(seqs[static_cast<std::size_t>(b)]) - (q_indptr[b + 1] - q_indptr[b]);
-      for (std::int64_t t = q_indptr[b]; t < q_indptr[b + 1]; ++t)
-        ws.positions[static_cast<std::size_t>(t)] = chunk_first + (t - q_indptr[b]);
-    }
+  if (plan.params().rope != nullptr) {
+    const std::int64_t total = batch.total();
+    const std::int64_t q_row = std::int64_t{shape.q_heads} * dim, k_row = std::int64_t{shape.kv_heads} * dim;
     constexpr std::int64_t kRopeTokens = 64;  // tokens per work item
-    const Rope& rope = *p.rope;
-    const auto rotate = [&](std::int64_t i) {
+    const Rope& rope = *plan.params().rope;
+    float* const rq = plan.rotated_q();
+    float* const rk = plan.rotated_k();
+    pf((total + kRopeTokens - 1) / kRopeTokens, [&](std::int64_t i) {
       const std::int64_t t0 = i * kRopeTokens, n = std::min(kRopeTokens, total - t0);
-      float* qr = ws.rotated_q.data() + t0 * q_row;
-      float* kr = ws.rotated_k.data() + t0 * k_row;
-      std::copy(q + t0 * q_row, q + (t0 + n) * q_row, qr);
-      std::copy(k + t0 * k_row, k + (t0 + n) * k_row, kr);
-      apply_rope(rope, qr, n, shape.q_heads, ws.positions.data() + t0, Isa{});
-      apply_rope(rope, kr, n, shape.kv_heads, ws.positions.data() + t0, Isa{});
-    };
-    pf((total + kRopeTokens - 1) / kRopeTokens, rotate);
-    q = ws.rotated_q.data();
-    k = ws.rotated_k.data();
+      std::copy(q + t0 * q_row, q + (t0 + n) * q_row, rq + t0 * q_row);
+      std::copy(k + t0 * k_row, k + (t0 + n) * k_row, rk + t0 * k_row);
+      apply_rope(rope, rq + t0 * q_row, n, shape.q_heads, plan.positions() + t0, Isa{});
+      apply_rope(rope, rk + t0 * k_row, n, shape.kv_heads, plan.positions() + t0, Isa{});
+    });
+    q = rq;
+    k = rk;
   }
 
-  // The chunk's keys and values go into the cache first.
-  for (int b = 0; b < batch; ++b) {
-    const SeqId s = seqs[static_cast<std::size_t>(b)];
-    const std::int64_t n = q_indptr[b + 1] - q_indptr[b];
-    if (n == 0) continue;
-    const std::int64_t offset = q_indptr[b] * shape.kv_heads * shape.head_dim;
-    cache.write(s, layer, cache.length(s) - n, n, k + offset, v + offset);
+  // The chunks' keys and values go into the cache first (their pages are private: the plan made
+  // them so, and nothing has changed the cache since).
+  for (int b = 0; b < batch.size(); ++b) {
+    if (batch.tokens(b) == 0) continue;
+    const std::int64_t offset = batch.indptr()[static_cast<std::size_t>(b)] * shape.kv_heads * dim;
+    cache.write(batch.seq(b), layer, plan.first_pos(b), batch.tokens(b), k + offset, v + offset);
   }
 
-  const int group = shape.group_size(), D = shape.head_dim;
-  const float scale = p.scale > 0.0f ? p.scale : 1.0f / std::sqrt(static_cast<float>(D));
-  // Items from the last query block of each sequence to the first: the later a block, the more
-  // keys it sees, and each lane below then ends on its cheap items.
-  ws.items.clear();
-  for (int b = 0; b < batch; ++b)
-    for (std::int64_t n = q_indptr[b + 1] - q_indptr[b], t = q_indptr[b] + (n - 1) / query_block * query_block;
-         n > 0 && t >= q_indptr[b]; t -= query_block)
-      for (int h = 0; h < shape.kv_heads; ++h)
-        ws.items.push_back({b, h, t, std::min<std::int64_t>(q_indptr[b + 1], t + query_block)});
-  // The items are dealt round-robin into lanes, a few per hardware thread; the parallel-for runs
-  // the lanes, and a lane runs its items one after another in a scratch of its own. The scratch
-  // thus grows with the machine, not with the prompt, and stays warm from item to item; and as
-  // consecutive items (the KV heads of one query block) cost the same, the lanes do too. Every
-  // lane's scratch starts on a cache line (per_lane is a whole number of them).
-  const std::int64_t n_items = static_cast<std::int64_t>(ws.items.size());
-  const std::int64_t lanes = std::min<std::int64_t>(n_items, std::int64_t{prefill_impl::kLanesPerThread} * hardware_threads());
-  const std::int64_t per_lane = prefill_impl::ScratchLayout::of<Isa>(std::int64_t{group} * query_block, D).floats;
-  const std::size_t scratch_floats = static_cast<std::size_t>(per_lane * lanes + detail::kLineFloats);
-  if (ws.scratch.size() < scratch_floats) ws.scratch.resize(scratch_floats);
-  float* const scratch_base = detail::align_to_line(ws.scratch.data());
-
-  const BatchPageTable table = cache.page_table(seqs);
-  const PagedKvView<T> kv = cache.view(table, layer);
-  const std::int64_t row = std::int64_t{shape.q_heads} * D;
-  const auto run_item = [&](std::int64_t i, float* scratch) {
-    const PrefillWorkspace::Item& it = ws.items[static_cast<std::size_t>(i)];
-    const std::int64_t chunk_first = kv.length(it.seq) - (q_indptr[it.seq + 1] - q_indptr[it.seq]);
-    const std::int64_t first_pos = chunk_first + (it.q_begin - q_indptr[it.seq]);
-    const int tokens = static_cast<int>(it.q_end - it.q_begin);
-    float* l = lse ? lse + it.q_begin * shape.q_heads : nullptr;
-    const float* qi = q + it.q_begin * row;
-    float* oi = out + it.q_begin * row;
-    switch (D) {
-      case 64: prefill_impl::prefill_item<Isa, 64, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
-      case 128: prefill_impl::prefill_item<Isa, 128, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
-      case 256: prefill_impl::prefill_item<Isa, 256, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
-      default: prefill_impl::prefill_item<Isa, 0, V>(kv, it.seq, it.kv_head, first_pos, tokens, qi, oi, l, group, shape.q_heads, scale, p, scratch); break;
-    }
-  };
-  pf(lanes, [&](std::int64_t lane) {
-    for (std::int64_t i = lane; i < n_items; i += lanes) run_item(i, scratch_base + lane * per_lane);
+  const PagedKvView<T> kv = cache.view(plan.table(), layer);
+  const std::int64_t row = std::int64_t{shape.q_heads} * dim;
+  const std::vector<PrefillPlan::Item>& items = plan.items();
+  const std::int64_t n_items = static_cast<std::int64_t>(items.size()), lanes = plan.lanes();
+  const float scale = plan.scale();
+  dispatch_head_dim(dim, [&](auto head_dim) {
+    constexpr int HeadDim = decltype(head_dim)::value;
+    pf(lanes, [&](std::int64_t lane) {
+      float* scratch = plan.lane_scratch(lane);
+      for (std::int64_t i = lane; i < n_items; i += lanes) {
+        const PrefillPlan::Item& it = items[static_cast<std::size_t>(i)];
+        const std::int64_t first_row = batch.indptr()[static_cast<std::size_t>(it.batch_index)];
+        const std::int64_t first_new = plan.first_pos(it.batch_index);
+        const std::int64_t first_pos = first_new + (it.q_begin - first_row);
+        float* l = lse ? lse + it.q_begin * shape.q_heads : nullptr;
+        prefill_impl::prefill_item<Isa, HeadDim>(kv, it.batch_index, it.kv_head, it.q_begin, first_new, first_pos,
+                                                 static_cast<int>(it.q_end - it.q_begin), q + it.q_begin * row,
+                                                 out + it.q_begin * row, l, group, shape.q_heads, scale, policy, scratch);
+      }
+    });
   });
 }
 

@@ -56,6 +56,7 @@ template <> struct Vec<isa::scalar> {
   friend Vec operator-(Vec a, Vec b) noexcept { return {a.v - b.v}; }
   friend Vec max(Vec a, Vec b) noexcept { return {a.v > b.v ? a.v : b.v}; }
   friend bool any_greater(Vec a, Vec b) noexcept { return a.v > b.v; }  // some lane of a > b's (NaN: no)
+  friend Vec select_greater(Vec a, Vec b, Vec x, Vec y) noexcept { return a.v > b.v ? x : y; }  // lane-wise a > b ? x : y (NaN: y)
   friend Vec exp(Vec a) noexcept { return {a.v >= -87.0f ? std::exp(a.v) : 0.0f}; }  // as the SIMD ones: NaN -> 0
   float reduce_add() const noexcept { return v; }
   float reduce_max() const noexcept { return v; }
@@ -104,6 +105,7 @@ template <> struct Vec<isa::avx2> {
   friend Vec operator-(Vec a, Vec b) noexcept { return {_mm256_sub_ps(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) noexcept { return {_mm256_max_ps(a.v, b.v)}; }
   friend bool any_greater(Vec a, Vec b) noexcept { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ)) != 0; }
+  friend Vec select_greater(Vec a, Vec b, Vec x, Vec y) noexcept { return {_mm256_blendv_ps(y.v, x.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))}; }
   friend Vec exp(Vec a) noexcept {
     const __m256 x = _mm256_max_ps(_mm256_mul_ps(a.v, _mm256_set1_ps(detail::kLog2e)), _mm256_set1_ps(-126.0f));
     const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -177,6 +179,7 @@ template <> struct Vec<isa::avx512> {
   friend Vec operator-(Vec a, Vec b) noexcept { return {_mm512_sub_ps(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) noexcept { return {_mm512_max_ps(a.v, b.v)}; }
   friend bool any_greater(Vec a, Vec b) noexcept { return _mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ) != 0; }
+  friend Vec select_greater(Vec a, Vec b, Vec x, Vec y) noexcept { return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), y.v, x.v)}; }
   friend Vec exp(Vec a) noexcept {
     const __m512 x = _mm512_max_ps(_mm512_mul_ps(a.v, _mm512_set1_ps(detail::kLog2e)), _mm512_set1_ps(-126.0f));
     const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -247,6 +250,7 @@ template <> struct Vec<isa::neon> {
   friend Vec operator-(Vec a, Vec b) noexcept { return {vsubq_f32(a.v, b.v)}; }
   friend Vec max(Vec a, Vec b) noexcept { return {vmaxq_f32(a.v, b.v)}; }
   friend bool any_greater(Vec a, Vec b) noexcept { return vmaxvq_u32(vcgtq_f32(a.v, b.v)) != 0; }
+  friend Vec select_greater(Vec a, Vec b, Vec x, Vec y) noexcept { return {vbslq_f32(vcgtq_f32(a.v, b.v), x.v, y.v)}; }
   friend Vec exp(Vec a) noexcept {
     const float32x4_t x = vmaxq_f32(vmulq_n_f32(a.v, detail::kLog2e), vdupq_n_f32(-126.0f));
     const float32x4_t k = vrndnq_f32(x);

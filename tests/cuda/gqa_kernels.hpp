@@ -3,8 +3,9 @@
 // references as the CPU tests. Defined in gqa_kernels.cu (nvcc).
 #pragma once
 
-#include <kvattn/decode.hpp>
+#include <kvattn/core.hpp>
 #include <kvattn/paged_cache.hpp>
+#include <kvattn/policy.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -14,18 +15,46 @@
 
 namespace cuda_tests {
 
-/// Copies layer 0 of `cache`'s pool and the page table of `seqs` to the device, runs
-/// kvattn::cuda::decode<V> on q [batch][Q][q_heads][head_dim], and returns out and lse.
-template <class T, class V>
+/// Copies `cache` (layer 0 of the sequences `seqs`) to a device cache, plans the step
+/// (cuda::DecodePlan), copies the policy's arrays to the device (cuda::PolicyArrays, checked on
+/// the host), runs kvattn::cuda::decode with it on q [batch][Q][q_heads][head_dim], and returns out
+/// and lse. Instantiated in gqa_kernels.cu (Plain) and gqa_policies.cu (the other policies).
+template <class T, class P>
 void run_decode(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs, const kvattn::GqaShape& shape,
-                const std::vector<float>& q, const kvattn::DecodeParams& p, std::vector<float>& out, std::vector<float>& lse);
+                const std::vector<float>& q, const kvattn::DecodeParams& p, const P& policy, std::vector<float>& out,
+                std::vector<float>& lse);
 
-/// Calls kvattn::cuda::decode on an empty batch whose cache holds `cache_shape` (pages of 16,
-/// fp16) with `shape` and `p` — the argument checks come before any device call, so this runs
-/// without a GPU — and returns the message of what it throws ("" if nothing). variant: 0 plain,
-/// 1 sliding window, 2 soft-cap. batch_mismatch: the view claims a batch the table does not have.
-std::string decode_error(const kvattn::GqaShape& cache_shape, const kvattn::GqaShape& shape, const kvattn::DecodeParams& p,
-                         int variant, bool batch_mismatch = false);
+/// What decode_error does wrong.
+enum class DecodeMisuse {
+  none,            ///< nothing: an empty batch, which the call returns from
+  window_zero,     ///< SlidingWindow{0}
+  cap_zero,        ///< SoftCap{0}
+  alibi_heads,     ///< Alibi of one head more than the shape's query heads
+  tree_rows,       ///< TreeMask of 3 rows for the empty batch's 0
+  batch_mismatch,  ///< a view that claims a sequence the plan does not have
+  mla_plan,        ///< a plan made for an MLA shape
+  never_made,      ///< a plan never made
+};
+
+/// Plans an empty batch of a host cache of `shape` (pages of 16, fp16: the plan reads only the
+/// cache's bookkeeping, and an empty batch needs no device), then calls kvattn::cuda::decode
+/// doing `misuse` — every check comes before any device call, so this runs without a GPU — and
+/// returns the message of what it throws ("" if nothing).
+std::string decode_error(const kvattn::GqaShape& shape, DecodeMisuse misuse);
+
+/// The message of what cuda::DecodePlan::make throws for `shape` and `p` over a host cache of
+/// `cache_shape` (one layer of 4 pages of 16 tokens, fp16) and `table` ("" if nothing): checks
+/// that run without a GPU (an empty table needs none; a bad one is rejected first).
+std::string plan_error(const kvattn::GqaShape& cache_shape, const kvattn::GqaShape& shape, const kvattn::DecodeParams& p,
+                       const kvattn::BatchPageTable& table = {});
+
+/// The message of what cuda::PolicyArrays::upload throws for `policy` with `q_heads` query heads
+/// and one sequence of `rows` query rows ("" if it would copy): the host check, before any device call.
+template <class P> std::string upload_error(const P& policy, int q_heads, std::int64_t rows);
+
+/// The view checks of cuda::DecodePlan (needs a GPU): the messages of DecodePlan::view for another
+/// cache, for the plan's cache once it has changed, and for a layer out of range.
+std::vector<std::string> view_errors();
 
 /// What one step of the append test does, on a host cache and on a device cache alike.
 struct AppendStep {

@@ -3,8 +3,9 @@
 // compiled by the host compiler; the device copies and launches live in mla_kernels.cu.
 #pragma once
 
-#include <kvattn/mla_decode.hpp>
+#include <kvattn/core.hpp>
 #include <kvattn/paged_cache.hpp>
+#include <kvattn/policy.hpp>
 #include <kvattn/shape.hpp>
 
 #include <cstddef>
@@ -13,8 +14,8 @@
 
 namespace cuda_tests {
 
-/// A device copy of a host cache's layer 0 and one MLA decode workspace and stream, kept across
-/// calls (the workspace grows and is reused as in a serving loop).
+/// One MLA decode plan, policy arrays and stream, kept across calls (the plan grows and is reused
+/// as in a serving loop).
 class MlaDecoder {
  public:
   MlaDecoder();
@@ -25,17 +26,26 @@ class MlaDecoder {
   /// Which device pointer to pass as null (the call must then throw invalid_argument).
   enum class Null { none, q, out };
 
-  /// Copies layer 0 of `cache`, the page table of `seqs` and q [B][Q][heads][latent + rope] to
-  /// the device, runs kvattn::cuda::mla_decode on this decoder's stream, and copies out
-  /// [B][Q][heads][latent] and, when `lse` is not null, lse [B][Q][heads] back (both resized).
-  /// The device outputs are filled with NaN first, so an element the kernels miss shows.
+  /// Copies `cache` (the sequences `seqs`) to a device cache and q [B][Q][heads][latent + rope]
+  /// to the device, plans the step (cuda::DecodePlan::make with p), copies the policy's arrays to
+  /// the device (cuda::PolicyArrays), runs kvattn::cuda::mla_decode on this decoder's stream, and
+  /// copies out [B][Q][heads][latent] and, when `lse` is not null, lse [B][Q][heads] back (both
+  /// resized). The device outputs are filled with NaN first, so an element the kernels miss shows.
+  /// Instantiated in mla_kernels.cu (Plain) and mla_policies.cu.
+  template <class T, class P>
+  void run(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs, const kvattn::MlaShape& shape,
+           const std::vector<float>& q, const kvattn::DecodeParams& p, const P& policy, std::vector<float>& out,
+           std::vector<float>* lse, Null null = Null::none);
+  /// run() without a policy (Plain).
   template <class T>
   void run(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs, const kvattn::MlaShape& shape,
-           const std::vector<float>& q, const kvattn::MlaDecodeParams& p, std::vector<float>& out, std::vector<float>* lse,
-           Null null = Null::none);
+           const std::vector<float>& q, const kvattn::DecodeParams& p, std::vector<float>& out, std::vector<float>* lse,
+           Null null = Null::none) {
+    run(cache, seqs, shape, q, p, kvattn::Plain{}, out, lse, null);
+  }
 
-  /// Bytes of device memory the workspace holds.
-  std::size_t workspace_bytes() const;
+  /// Bytes of device memory the plan holds.
+  std::size_t plan_bytes() const;
 
  private:
   struct State;
@@ -43,16 +53,21 @@ class MlaDecoder {
 };
 
 /// One call with a fresh decoder: out and lse of the batch `seqs`.
-template <class T>
+template <class T, class P = kvattn::Plain>
 void run_cuda_mla_decode(const kvattn::PagedKvCache<T>& cache, const std::vector<kvattn::SeqId>& seqs,
-                         const kvattn::MlaShape& shape, const std::vector<float>& q, const kvattn::MlaDecodeParams& p,
-                         std::vector<float>& out, std::vector<float>& lse);
+                         const kvattn::MlaShape& shape, const std::vector<float>& q, const kvattn::DecodeParams& p,
+                         std::vector<float>& out, std::vector<float>& lse, const P& policy = P{}) {
+  MlaDecoder d;
+  d.run(cache, seqs, shape, q, p, policy, out, &lse);
+}
 
-/// Calls kvattn::cuda::mla_decode over a view of `layout` that claims `view_batch` sequences but
-/// reads no device array (its page table was never uploaded), with null q when `null_q`, else
-/// dummy non-null q and out. Every argument check must throw before the device is touched;
-/// an empty batch with good arguments must return without touching it.
-void mla_decode_without_device(const kvattn::PageLayout& layout, int view_batch, const kvattn::MlaShape& shape,
-                               const kvattn::MlaDecodeParams& p, bool null_q);
+/// Plans an empty batch of a host cache of `cache_shape` (the plan reads only the cache's
+/// bookkeeping; an empty batch needs no device) with `shape` and `p`, then calls
+/// kvattn::cuda::mla_decode over a view that claims `view_batch` sequences but reads no device
+/// array, with null q when `null_q`, else dummy non-null q and out. Every argument check must
+/// throw before the device is touched; an empty batch with good arguments must return without
+/// touching it.
+void mla_decode_without_device(const kvattn::AttentionShape& cache_shape, int view_batch, const kvattn::MlaShape& shape,
+                               const kvattn::DecodeParams& p, bool null_q);
 
 }  // namespace cuda_tests

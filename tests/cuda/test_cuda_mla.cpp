@@ -9,12 +9,16 @@
 // lane; several column blocks; rows too wide for shared memory, done in chunks); 1, 2, 3, 5,
 // 16 and 128 heads; pages of 1, 7, 16 and 64 tokens; contexts 0, 1, 2, a page ± 1, around a
 // tile, a few hundred, 1000 and 3000; Q = 1 to 4; chunks of keys forced down to one token
-// (so the merge sees empty parts); batches of mixed lengths; fp32, fp16 and bf16.
+// (so the merge sees empty parts); batches of mixed lengths; fp32, fp16 and bf16. The score
+// policies as the CPU tests run them (test_mla.cpp): sinks (counted once however the keys are
+// split), ALiBi, tree masks (Q up to 16), the window with the soft-cap, and gpt-oss's window +
+// soft-cap + sinks, with sequences split into many chunks and sequences of one.
 //
 // Every test that runs a kernel skips without a CUDA device; the argument checks run anywhere,
 // since they throw before the device is touched.
-#include <kvattn/mla_decode.hpp>
+#include <kvattn/core.hpp>
 #include <kvattn/paged_cache.hpp>
+#include <kvattn/policy.hpp>
 
 #include <gtest/gtest.h>
 
@@ -27,6 +31,7 @@
 #include <vector>
 
 #include "../mla_reference.hpp"
+#include "../policy_checks.hpp"
 #include "device.hpp"
 #include "mla_kernels.hpp"
 
@@ -51,17 +56,22 @@ const MlaShape kHugeOdd{2, 2000, 2, 16, 16, 0};  // rows of 2002: chunks, elemen
 
 using Case = checks::MlaCase;
 
-/// Runs the CUDA kernel on a cache filled with random rows (with `decoder`, or a fresh one) and
-/// checks it against the reference; returns the output (for comparisons between runs).
-template <class T> std::vector<float> check_kernel(const Case& c, unsigned seed = 1, cuda_tests::MlaDecoder* decoder = nullptr) {
+/// Runs the CUDA kernel with policy P (its values from the case: checks::policy_values, copied to
+/// the device) on a cache filled with random rows (with `decoder`, or a fresh one) and checks it
+/// against the reference; returns the output (for comparisons between runs).
+template <class T, class P = kvattn::Plain>
+std::vector<float> check_kernel(const Case& c, unsigned seed = 1, cuda_tests::MlaDecoder* decoder = nullptr) {
   SCOPED_TRACE(describe(c));
   const checks::MlaInputs<T> f(c, seed);
+  const policy_checks::Values values = checks::policy_values(c);
+  const P policy = policy_checks::make<P>(values);
   std::vector<float> out, lse;
   if (decoder != nullptr)
-    decoder->run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse);
+    decoder->run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), policy, out, &lse);
   else
-    cuda_tests::run_cuda_mla_decode(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, lse);
-  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale);
+    cuda_tests::run_cuda_mla_decode(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, lse, policy);
+  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale,
+                                    [&](std::size_t b) { return policy_checks::options<P>(values, b); });
   return out;
 }
 
@@ -157,11 +167,11 @@ TEST(CudaMlaDecode, WorkspaceIsReusedAcrossShapesAndBatches) {
   cuda_tests::MlaDecoder decoder;
   const Case big{kV2Lite, 7, {1000, 1, 0, 64}, 2, 1.0f, 32};
   const auto first = check_kernel<float>(big, 3, &decoder);
-  const std::size_t grown = decoder.workspace_bytes();
+  const std::size_t grown = decoder.plan_bytes();
   EXPECT_GT(grown, 0u);
   check_kernel<bf16>({kOne, 16, {5, 0}, 1}, 4, &decoder);
   check_kernel<fp16>({kOdd, 1, {0}, 3}, 4, &decoder);
-  EXPECT_EQ(decoder.workspace_bytes(), grown) << "the workspace only grows, and these calls fit";
+  EXPECT_EQ(decoder.plan_bytes(), grown) << "the plan's memory only grows, and these calls fit";
   const auto again = check_kernel<float>(big, 3, &decoder);
   EXPECT_EQ(again, first);
   cuda_tests::MlaDecoder fresh;
@@ -190,57 +200,104 @@ TEST(CudaMlaDecode, NullPointersAreRejected) {
   EXPECT_THROW(decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse, Null::out), kvattn::invalid_argument);
   // The decoder is still usable.
   decoder.run(f.cache, f.seqs, c.shape, f.q, checks::mla_params(c), out, &lse);
-  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale);
+  const policy_checks::Values values = checks::policy_values(c);
+  checks::expect_mla_decode_matches(f.cache, f.seqs, c.shape, f.q, c.queries, out, lse, c.q_scale,
+                                    [&](std::size_t b) { return policy_checks::options<kvattn::Plain>(values, b); });
 }
+
+// ---- score policies ----------------------------------------------------------------------------
+
+TEST(CudaMlaDecodePolicies, SinksJoinTheDenominatorOnce) {
+  KVATTN_REQUIRE_GPU();
+  using kvattn::Sinks;
+  check_kernel<float, Sinks>({kOdd, 7, {0, 1, 33, 250}, 1});                     // context 0: out 0, lse = sink
+  check_kernel<float, Sinks>({kV2Lite, 16, {1000, 3}, 2, 1.0f, 64});             // 16 chunks, one sink
+  check_kernel<float, Sinks>({kFive, 7, {300, 2, 0}, 3, 1.0f, 1});               // chunks of one token, rows that see nothing
+  check_kernel<float, Sinks>({kV2, 16, {700, 5}, 1});                            // 128 heads: 8 row blocks, chunks chosen
+}
+
+TEST(CudaMlaDecodePolicies, Alibi) {
+  KVATTN_REQUIRE_GPU();
+  using kvattn::Alibi;
+  check_kernel<float, Alibi>({kFive, 7, {90, 1, 0}, 2});  // 5 heads: slopes of 4 and of 8
+  check_kernel<float, Alibi>({kV2Lite, 16, {600, 33}, 1, 1.0f, 96});
+}
+
+TEST(CudaMlaDecodePolicies, TreeMasksOverTheNewTokens) {
+  KVATTN_REQUIRE_GPU();
+  using kvattn::TreeMask;
+  check_kernel<float, TreeMask>({kOdd, 16, {100, 40, 16}, 16});           // Q = 16: 48 rows, 3 row blocks
+  check_kernel<float, TreeMask>({kFive, 7, {50, 5, 3}, 5});               // sequences shorter than Q
+  check_kernel<float, TreeMask>({kOne, 1, {300, 20}, 12, 1.0f, 5});       // the tree across chunks of 5
+}
+
+TEST(CudaMlaDecodePolicies, WindowAndSoftCap) {
+  KVATTN_REQUIRE_GPU();
+  using WindowCap = kvattn::Compose<kvattn::SlidingWindow, kvattn::SoftCap>;
+  check_kernel<float, WindowCap>({kFive, 16, {200, 5, 0}, 2, 4.0f, 0, 40, 20.0f});
+  check_kernel<float, WindowCap>({kOdd, 7, {0, 1, 60}, 3, 1.0f, 0, 1, 5.0f});      // window 1: the row's own token
+  check_kernel<float, WindowCap>({kV2Lite, 16, {1500, 3}, 2, 1.0f, 64, 150, 30.0f});  // chunks outside the window
+}
+
+TEST(CudaMlaDecodePolicies, GptOssWindowSoftCapAndSinks) {
+  KVATTN_REQUIRE_GPU();
+  using Gpt = kvattn::Compose<kvattn::SlidingWindow, kvattn::SoftCap, kvattn::Sinks>;
+  check_kernel<float, Gpt>({kFive, 16, {200, 5, 0}, 1, 4.0f, 0, 40, 20.0f});
+  check_kernel<float, Gpt>({kV2Lite, 16, {1500, 3}, 2, 1.0f, 100, 150, 30.0f});  // split, chunks outside the window
+  check_kernel<bf16, Gpt>({kV2Lite, 7, {800, 1, 0}, 2, 1.0f, 32, 300, 30.0f});
+}
+
+// ---- argument checks (no GPU needed) -----------------------------------------------------------
 
 // No KVATTN_REQUIRE_GPU: every check throws before the device is touched.
 TEST(CudaMlaDecodeArguments, BadInputIsRejectedBeforeAnyDeviceWork) {
-  const kvattn::PageLayout mla = kvattn::PageLayout::make(kOdd, 4, sizeof(float));
-  const kvattn::PageLayout gqa = kvattn::PageLayout::make(kvattn::GqaShape::gqa(4, 2, 8), 4, sizeof(float));
-  kvattn::MlaDecodeParams p;
+  const kvattn::GqaShape gqa = kvattn::GqaShape::gqa(4, 2, 8);
+  kvattn::DecodeParams p;
   using cuda_tests::mla_decode_without_device;
 
-  EXPECT_NO_THROW(mla_decode_without_device(mla, 0, kOdd, p, false));  // an empty batch: nothing to do
+  EXPECT_NO_THROW(mla_decode_without_device(kOdd, 0, kOdd, p, false));  // an empty batch: nothing to do
   EXPECT_THROW(mla_decode_without_device(gqa, 0, kOdd, p, false), kvattn::shape_error);
   MlaShape other = kOdd;
   other.latent_dim = 41;
   try {
-    mla_decode_without_device(mla, 0, other, p, false);
+    mla_decode_without_device(kOdd, 0, other, p, false);
     ADD_FAILURE() << "no error";
   } catch (const kvattn::shape_error& e) {
     EXPECT_NE(std::string(e.what()).find("latent_dim=41"), std::string::npos) << e.what();
   }
   other = kOdd;
   other.rope_dim = 8;
-  EXPECT_THROW(mla_decode_without_device(mla, 0, other, p, false), kvattn::shape_error);
+  EXPECT_THROW(mla_decode_without_device(kOdd, 0, other, p, false), kvattn::shape_error);
   other = kOdd;
   other.heads = 0;
-  EXPECT_THROW(mla_decode_without_device(mla, 0, other, p, false), kvattn::shape_error);
+  EXPECT_THROW(mla_decode_without_device(kOdd, 0, other, p, false), kvattn::shape_error);
 
   p.queries_per_seq = 0;
   try {
-    mla_decode_without_device(mla, 0, kOdd, p, false);
+    mla_decode_without_device(kOdd, 0, kOdd, p, false);
     ADD_FAILURE() << "no error";
   } catch (const kvattn::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("queries_per_seq=0"), std::string::npos) << e.what();
   }
   p.queries_per_seq = 1;
   p.chunk_tokens = -1;
-  EXPECT_THROW(mla_decode_without_device(mla, 0, kOdd, p, false), kvattn::invalid_argument);
+  EXPECT_THROW(mla_decode_without_device(kOdd, 0, kOdd, p, false), kvattn::invalid_argument);
   p.chunk_tokens = 0;
   for (float bad : {-1.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
     p.scale = bad;
-    EXPECT_THROW(mla_decode_without_device(mla, 0, kOdd, p, false), kvattn::invalid_argument) << bad;
+    EXPECT_THROW(mla_decode_without_device(kOdd, 0, kOdd, p, false), kvattn::invalid_argument) << bad;
   }
   p.scale = 0.0f;
-  try {  // a batch, null q
-    mla_decode_without_device(mla, 1, kOdd, p, true);
+  p.queries_per_seq = 65535 * 16 / kV2.heads + 1;  // more row blocks than a grid holds
+  try {
+    mla_decode_without_device(kV2, 0, kV2, p, false);
     ADD_FAILURE() << "no error";
   } catch (const kvattn::invalid_argument& e) {
-    EXPECT_NE(std::string(e.what()).find("null"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("query rows per sequence"), std::string::npos) << e.what();
   }
-  try {  // a view that does not read the table's arrays
-    mla_decode_without_device(mla, 2, kOdd, p, false);
+  p.queries_per_seq = 1;
+  try {  // a view that does not read the plan's page table
+    mla_decode_without_device(kOdd, 2, kOdd, p, false);
     ADD_FAILURE() << "no error";
   } catch (const kvattn::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("batch=2"), std::string::npos) << e.what();

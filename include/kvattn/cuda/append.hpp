@@ -30,8 +30,8 @@ namespace impl {
 /// One thread per element of the rows being written: rows [count][row_blocks], each row `width`
 /// elements of src (row r of token i at src + (i · row_blocks + r) · width) to page offset
 /// dst_offset(r, slot).
-template <class D, class S, class Offset>
-__global__ void write_rows_kernel(D* __restrict__ layer_pool, std::int64_t page_stride, const std::int32_t* __restrict__ pages,
+template <class E, class S, class Offset>
+__global__ void write_rows_kernel(E* __restrict__ layer_pool, std::int64_t page_stride, const std::int32_t* __restrict__ pages,
                                   int page_size, std::int64_t first, std::int64_t count, int row_blocks, int width,
                                   const S* __restrict__ src, Offset dst_offset) {
   const std::int64_t per_token = std::int64_t{row_blocks} * width;
@@ -42,7 +42,7 @@ __global__ void write_rows_kernel(D* __restrict__ layer_pool, std::int64_t page_
     const std::int64_t position = first + i;
     const std::int64_t page = pages[position / page_size - first / page_size];
     const int slot = static_cast<int>(position % page_size);
-    layer_pool[page * page_stride + dst_offset(r, slot) + c] = from_float<D>(to_float(src[e]));
+    layer_pool[page * page_stride + dst_offset(r, slot) + c] = from_float<E>(to_float(src[e]));
   }
 }
 
@@ -91,10 +91,10 @@ void write_kv(PagedKvCache<T, DeviceMemory>& cache, SeqId seq, int layer, std::i
               const Src* v, AppendWorkspace& ws, cudaStream_t stream = nullptr) {
   static_assert(is_storage_type_v<Src>, "kvattn::cuda::write_kv: sources are fp32, fp16 or bf16");
   const std::int32_t* pages = impl::prepare(cache, seq, layer, first, count, PageContent::gqa, k, v, "cuda::write_kv", ws, stream);
-  using D = typename impl::device_type<T>::type;
+  using E = typename impl::device_type<T>::type;
   using S = impl::device_src_t<Src>;
   const PageLayout& l = cache.layout();
-  D* pool = reinterpret_cast<D*>(cache.layer_data(layer));
+  E* pool = reinterpret_cast<E*>(cache.layer_data(layer));
   const std::int64_t half = count * l.kv_heads * l.head_dim;
   // keys: rows 0..kv_heads-1 of the offset functor; values: kv_heads.. (the sources are separate arrays)
   impl::write_rows_kernel<<<impl::grid_for(half), 256, 0, stream>>>(pool, l.page_stride, pages, l.page_size, first, count,
@@ -114,10 +114,10 @@ void write_latent(PagedKvCache<T, DeviceMemory>& cache, SeqId seq, int layer, st
   static_assert(is_storage_type_v<Src>, "kvattn::cuda::write_latent: sources are fp32, fp16 or bf16");
   const std::int32_t* pages =
       impl::prepare(cache, seq, layer, first, count, PageContent::mla, latent, rope, "cuda::write_latent", ws, stream);
-  using D = typename impl::device_type<T>::type;
+  using E = typename impl::device_type<T>::type;
   using S = impl::device_src_t<Src>;
   const PageLayout& l = cache.layout();
-  D* pool = reinterpret_cast<D*>(cache.layer_data(layer));
+  E* pool = reinterpret_cast<E*>(cache.layer_data(layer));
   impl::write_rows_kernel<<<impl::grid_for(count * l.latent_dim), 256, 0, stream>>>(
       pool, l.page_stride, pages, l.page_size, first, count, 1, l.latent_dim, reinterpret_cast<const S*>(latent), impl::RowOffset{l, 0});
   if (l.rope_dim > 0)

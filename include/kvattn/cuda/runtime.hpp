@@ -1,5 +1,6 @@
 // kvattn/cuda/runtime.hpp — what the CUDA specializations stand on: errors, device memory for the
-// paged cache, device buffers, a batch's page table on the device, element conversions.
+// paged cache, device buffers, pinned staging and events for uploads that never wait, element
+// conversions.
 //
 // The headers under kvattn/cuda/ are for translation units compiled by nvcc with
 // KVATTN_ENABLE_CUDA=1 (the kvattn::cuda CMake target defines it and adds CUDA::cudart); an engine
@@ -11,7 +12,7 @@
 // managed memory) and its bookkeeping on the host. Host reads and writes (write, read, ...) do not
 // compile for it; tokens are written with cuda::write_kv / cuda::write_latent (append.hpp) after
 // PagedKvCache::make_writable, and read by the kernels through a PagedKvView whose pool and page
-// table are device pointers (DevicePageTable::view).
+// table are device pointers (cuda::DecodePlan::view, plan.hpp).
 #pragma once
 
 #if !defined(__CUDACC__)
@@ -33,6 +34,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "../error.hpp"
@@ -162,52 +164,110 @@ template <class T> class DeviceBuffer {
   std::size_t capacity_ = 0;
 };
 
-/// A batch's page table (BatchPageTable) on the device, with the host copy the launchers plan from.
-/// upload() reuses the device arrays; the host table may change afterwards.
-class DevicePageTable {
+/// Page-locked host memory (cudaHostAlloc) that only grows: the staging of asynchronous uploads,
+/// which the copy engine reads while the host goes on. Contents are not kept across growth.
+class PinnedBuffer {
  public:
-  void upload(const BatchPageTable& t, cudaStream_t stream = nullptr) {
-    host_ = t;
-    indptr_.upload(host_.indptr.data(), host_.indptr.size(), stream);
-    indices_.upload(host_.indices.data(), host_.indices.size(), stream);
-    last_.upload(host_.last_page_len.data(), host_.last_page_len.size(), stream);
-    // The host copies must outlive the asynchronous copies: they are members, kept until the next upload,
-    // which first waits for this one.
-    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (page table upload)");
+  PinnedBuffer() = default;
+  ~PinnedBuffer() {
+    if (data_ != nullptr) (void)cudaFreeHost(data_);
   }
-  int batch() const noexcept { return host_.batch(); }
-  const BatchPageTable& host() const noexcept { return host_; }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  PinnedBuffer(PinnedBuffer&& o) noexcept : data_(std::exchange(o.data_, nullptr)), capacity_(std::exchange(o.capacity_, 0)) {}
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept {
+    std::swap(data_, o.data_);
+    std::swap(capacity_, o.capacity_);
+    return *this;
+  }
 
-  /// One layer of a device cache with this table: every pointer is a device pointer.
-  template <class T> PagedKvView<T> view(const PagedKvCache<T, DeviceMemory>& cache, int layer) const {
-    PagedKvView<T> v = cache.view(host_, layer);  // checks the layer; host table pointers
-    v.indptr = indptr_.data();
-    v.indices = indices_.data();
-    v.last_page_len = last_.data();
-    return v;
+  /// Room for `bytes` bytes (a larger allocation when needed; old contents are dropped). The
+  /// caller has made sure no copy still reads the old memory.
+  unsigned char* reserve(std::size_t bytes) {
+    if (bytes > capacity_) {
+      void* p = nullptr;
+      check(cudaHostAlloc(&p, bytes, cudaHostAllocDefault), "cudaHostAlloc (staging)");
+      if (data_ != nullptr) (void)cudaFreeHost(data_);
+      data_ = static_cast<unsigned char*>(p);
+      capacity_ = bytes;
+    }
+    return data_;
   }
-  /// The same, over a layer's pool held elsewhere (device memory of `layout`'s pages).
-  template <class T> PagedKvView<T> view(const T* layer_pool, const PageLayout& layout) const {
-    return PagedKvView<T>{layer_pool, layout, indptr_.data(), indices_.data(), last_.data(), host_.batch()};
+  unsigned char* data() noexcept { return data_; }
+  const unsigned char* data() const noexcept { return data_; }
+  std::size_t capacity() const noexcept { return capacity_; }
+
+ private:
+  unsigned char* data_ = nullptr;
+  std::size_t capacity_ = 0;
+};
+
+/// A CUDA event, created on first use (constructing one touches no device).
+class Event {
+ public:
+  Event() = default;
+  ~Event() {
+    if (e_ != nullptr) (void)cudaEventDestroy(e_);
   }
-  /// The same table with host pointers (the pool pointer is kept as given): what launchers plan from.
-  template <class T> PagedKvView<T> host_view(const PagedKvView<T>& device_view) const {
-    PagedKvView<T> v = device_view;
-    v.indptr = host_.indptr.data();
-    v.indices = host_.indices.data();
-    v.last_page_len = host_.last_page_len.data();
-    v.batch = host_.batch();
-    return v;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  Event(Event&& o) noexcept : e_(std::exchange(o.e_, nullptr)) {}
+  Event& operator=(Event&& o) noexcept {
+    std::swap(e_, o.e_);
+    return *this;
   }
-  /// Whether `v` reads this table's device arrays.
-  template <class T> bool describes(const PagedKvView<T>& v) const noexcept {
-    return v.indptr == indptr_.data() && v.indices == indices_.data() && v.last_page_len == last_.data() &&
-           v.batch == host_.batch();
+  /// Marks the work queued on `stream` so far.
+  void record(cudaStream_t stream) {
+    if (e_ == nullptr) check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    check(cudaEventRecord(e_, stream), "cudaEventRecord");
+  }
+  /// Waits for the work marked last (nothing if none was).
+  void wait() const {
+    if (e_ != nullptr) check(cudaEventSynchronize(e_), "cudaEventSynchronize");
+  }
+  /// wait() for destructors: errors are dropped (a failed device reports them at its next call).
+  void wait_quietly() const noexcept {
+    if (e_ != nullptr) (void)cudaEventSynchronize(e_);
   }
 
  private:
-  BatchPageTable host_;
-  DeviceBuffer<std::int32_t> indptr_, indices_, last_;
+  cudaEvent_t e_ = nullptr;
+};
+
+/// Host data sent to the device without waiting for it: packed into pinned staging (stage), then
+/// one asynchronous copy on the caller's stream (send) into a device allocation that only grows.
+/// The copy is marked with an event, and the next stage() waits for it before the staging is
+/// written again, so the host never overwrites what a copy still reads and never waits for
+/// anything else. Growing the device allocation frees the old one (cudaFree waits for the device).
+class StagedUpload {
+ public:
+  StagedUpload() = default;
+  ~StagedUpload() { sent_.wait_quietly(); }  // the last copy may still read the staging
+  StagedUpload(const StagedUpload&) = delete;
+  StagedUpload& operator=(const StagedUpload&) = delete;
+
+  /// Room for `bytes` bytes of staging, once the last copy from it is done.
+  unsigned char* stage(std::size_t bytes) {
+    sent_.wait();
+    return staging_.reserve(bytes);
+  }
+  /// Copies the first `bytes` bytes of the staging to the device on `stream` and returns where
+  /// they will be (null for 0 bytes).
+  unsigned char* send(std::size_t bytes, cudaStream_t stream) {
+    if (bytes == 0) return nullptr;
+    unsigned char* device = device_.reserve(bytes);
+    check(cudaMemcpyAsync(device, staging_.data(), bytes, cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync (upload)");
+    sent_.record(stream);
+    return device;
+  }
+  const unsigned char* staging() const noexcept { return staging_.data(); }
+  std::size_t device_bytes() const noexcept { return device_.capacity(); }
+  std::size_t host_bytes() const noexcept { return staging_.capacity(); }
+
+ private:
+  PinnedBuffer staging_;
+  DeviceBuffer<unsigned char> device_;
+  Event sent_;
 };
 
 namespace impl {
@@ -220,7 +280,7 @@ template <> struct device_type<bf16> { using type = __nv_bfloat16; };
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <class D> __device__ __forceinline__ D from_float(float x);
+template <class E> __device__ __forceinline__ E from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
