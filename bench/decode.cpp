@@ -18,9 +18,12 @@
 //                    again for each of the group's query heads, as that loop does. N = 2 splits
 //                    the (sequence, query head) pairs into two halves run by the same ThreadPool.
 //     shape  gqa32x8: 32 query heads, 8 KV heads (groups of 4); mha32x32: 32 and 32. Head size 128.
-//     dtype  bf16 or fp16 K/V storage; queries and outputs fp32: q, out [B][1][32][128].
+//     dtype  bf16 or fp16 K/V storage, or int8 (kvattn::int8_row: int8 values and one fp32 scale
+//            per row, in the page's scale block; kvattn rows only: compare them with bf16's of
+//            the same run); queries and outputs fp32: q, out [B][1][32][128].
 //   One query per sequence (plain decode), every sequence C tokens long, pages of 16 tokens.
-//   bytes_per_second = B · C · kv_heads · 128 · 2 (K and V) · 2 bytes per step: the cache bytes
+//   bytes_per_second = B · C · kv_heads · 2 (K and V) · row bytes per step (128 · 2 for the 16-bit
+//   types, 128 + 4 for int8: values and scale): the cache bytes
 //   decode must read, the same count for both implementations, so their ratio is direct and each
 //   compares with machine/read_bandwidth (printed at the end of the same run; the N-thread figure
 //   of one is the ceiling of the other). Every benchmark runs in wall time.
@@ -123,11 +126,13 @@ constexpr int kBatches[] = {1, 16};
 constexpr int kThreads[] = {1, 2};
 constexpr double kTolerance = 1e-3;  // baseline vs kvattn, absolute, on outputs of magnitude <= 2
 
-template <class T> constexpr const char* type_name() { return std::is_same_v<T, bf16> ? "bf16" : "fp16"; }
+template <class T> constexpr const char* type_name() { return kvattn::format_traits<T>::name.data(); }
 
-/// Bytes of K and V one decode step must read: every token of every sequence, every KV head.
-std::int64_t kv_bytes(const GqaShape& shape, std::int64_t batch, std::int64_t ctx, std::size_t element) {
-  return batch * ctx * shape.kv_heads * shape.head_dim * 2 * static_cast<std::int64_t>(element);
+/// Bytes of K and V one decode step must read: every token of every sequence, every KV head,
+/// the rows' scales included (int8_row: one fp32 per row).
+template <class T> std::int64_t kv_bytes(const GqaShape& shape, std::int64_t batch, std::int64_t ctx) {
+  const std::int64_t row = shape.head_dim * static_cast<std::int64_t>(sizeof(T)) + (kvattn::format_traits<T>::row_scale ? 4 : 0);
+  return batch * ctx * shape.kv_heads * 2 * row;
 }
 
 std::string mib(std::int64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
@@ -139,7 +144,8 @@ using kvattn::bench::with_parallel_for;
 
 /// Random storage bits, four 16-bit values per 64-bit word: s|0111 11xx|xxxx xxx with the x
 /// random. As bf16 that is ±[1/8, 2) (exponent 124 to 127, random mantissa); as fp16 it is
-/// s|01111|1xxx xxxx xx, ±[1.5, 2). Ordinary values in both types: one fill serves both.
+/// s|01111|1xxx xxxx xx, ±[1.5, 2). Ordinary values in both types: one fill serves both (and
+/// int8_row, whose bytes are any int8 and whose scales, read as fp32, are ±[1/8, 2)).
 std::uint64_t random_bits(std::uint64_t r) { return (r & 0x81FF81FF81FF81FFull) | 0x3E003E003E003E00ull; }
 
 struct free_deleter {
@@ -230,8 +236,8 @@ template <class T> struct Setup {
 
   Setup(const benchmark::State& state, const GqaShape& s)
       : shape(s), ctx(state.range(0)), batch(state.range(1)), threads(static_cast<int>(state.range(2))),
-        layout(kvattn::PageLayout::make(s, kPage, sizeof(T))),
-        pool(reinterpret_cast<const T*>(pool_storage())), bytes(kv_bytes(s, batch, ctx, sizeof(T))),
+        layout(kvattn::PageLayout::make(s, kPage, sizeof(T), kvattn::format_traits<T>::row_scale)),
+        pool(reinterpret_cast<const T*>(pool_storage())), bytes(kv_bytes<T>(s, batch, ctx)),
         tables(make_tables(kMaxCacheBytes / (layout.page_stride * static_cast<std::int64_t>(sizeof(T))), batch, ctx, bytes)),
         q(make_queries(s, batch)), out(q.size()) {}
 
@@ -407,8 +413,8 @@ template <class T> void bm_eigen(benchmark::State& state, GqaShape shape) {
 
 // ---- registration ------------------------------------------------------------------------------
 
-/// Registers the rows of one (shape, type): plain kvattn, the baseline and, with `policies`,
-/// kvattn with sinks and with ALiBi, at the same configurations as plain.
+/// Registers the rows of one (shape, type): plain kvattn, the baseline (16-bit types) and, with
+/// `policies`, kvattn with sinks and with ALiBi, at the same configurations as plain.
 template <class T> void register_family(const std::string& shape_name, const GqaShape& shape, bool policies) {
   const std::string suffix = "/" + shape_name + "/" + type_name<T>();
   std::vector<std::pair<benchmark::internal::Benchmark*, std::int64_t>> families;
@@ -420,13 +426,14 @@ template <class T> void register_family(const std::string& shape_name, const Gqa
     families.emplace_back(
         benchmark::RegisterBenchmark(("decode/kvattn_alibi" + suffix).c_str(), bm_kvattn<T, Policy::alibi>, shape), kMaxCacheBytes);
   }
-  families.emplace_back(benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape), kEigenMaxBytes);
+  if constexpr (!kvattn::format_traits<T>::row_scale)
+    families.emplace_back(benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape), kEigenMaxBytes);
   for (auto [b, limit] : families) {
     b->ArgNames({"ctx", "batch", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
     for (int batch : kBatches)
       for (std::int64_t ctx : kContexts)
         for (int threads : kThreads)
-          if (kv_bytes(shape, batch, ctx, sizeof(T)) <= limit) b->Args({ctx, batch, threads});
+          if (kv_bytes<T>(shape, batch, ctx) <= limit) b->Args({ctx, batch, threads});
   }
 }
 
@@ -437,6 +444,10 @@ const bool registered = [] {
   register_family<fp16>("gqa32x8", gqa, true);
   register_family<bf16>("mha32x32", mha, false);
   register_family<fp16>("mha32x32", mha, false);
+  // int8 with a scale per row (int8_row): its rows beside bf16's of the same run are the gain
+  // of the 8-bit cache; no baseline of its own.
+  register_family<kvattn::int8_row>("gqa32x8", gqa, false);
+  register_family<kvattn::int8_row>("mha32x32", mha, false);
   kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();

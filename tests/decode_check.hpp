@@ -24,7 +24,7 @@ using Case = checks::DecodeCase;
 /// made for that parallel-for's threads, and checks it against the reference.
 template <class P, class T, class Isa, class PF>
 void check(const Case& c, PF&& pf) {
-  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name));
+  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::format_traits<T>::name) + " isa=" + std::string(Isa::name));
   const checks::DecodeInputs<T> in(c);
   std::vector<float> out = in.out(), lse = in.lse(c);
   const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
@@ -35,12 +35,16 @@ void check(const Case& c, PF&& pf) {
   checks::expect_decode_case_matches<P>(in, c, values, out, lse);
 }
 
-/// check for fp32, fp16 and bf16 storage.
+/// check for fp32, fp16, bf16, int8_row and (head sizes that are powers of two) hadamard<int8_row>
+/// storage; the 8-bit formats against the reference on the cache's dequantized keys and values,
+/// which read() returns, so within the same bounds.
 template <class P, class Isa, class PF = kvattn::SerialFor>
 void check_all_storage(const Case& c, PF&& pf = PF{}) {
   check<P, float, Isa>(c, pf);
   check<P, kvattn::fp16, Isa>(c, pf);
   check<P, kvattn::bf16, Isa>(c, pf);
+  check<P, kvattn::int8_row, Isa>(c, pf);
+  if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check<P, kvattn::hadamard<kvattn::int8_row>, Isa>(c, pf);
 }
 
 /// The ISAs every decode test runs, as gtest type parameters: the scalar path and the native one.

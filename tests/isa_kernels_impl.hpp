@@ -67,6 +67,17 @@ template <class Isa, class T> void Kernels<Isa, T>::narrow(const float* src, T* 
   kvattn::convert_row(Isa{}, src, dst, n);
 }
 
+/// Explicit instantiations, for instruction set ISA and format T, of the kernels that take the
+/// quantized formats: decode and prefill (MLA caches and convert_row do not take them).
+#define ISA_KERNELS_INSTANTIATE_QUANTIZED(ISA, T)                                                                     \
+  template void isa_kernels::Kernels<ISA, T>::decode(const kvattn::PagedKvView<T>&, const kvattn::GqaShape&, const float*, \
+                                                     float*, float*, const kvattn::DecodeParams&, isa_kernels::Policy,   \
+                                                     const policy_checks::Values&, kvattn::ThreadPool*);                 \
+  template void isa_kernels::Kernels<ISA, T>::prefill(kvattn::PagedKvCache<T>&, kvattn::SeqId, std::int64_t,             \
+                                                      const kvattn::GqaShape&, const float*, const float*, const float*, \
+                                                      float*, float*, const kvattn::PrefillParams&, isa_kernels::Policy, \
+                                                      const policy_checks::Values&, kvattn::ThreadPool*);
+
 template <class Isa>
 void apply_rope(const kvattn::Rope& rope, float* x, std::int64_t tokens, int heads, const std::int64_t* positions) noexcept {
   kvattn::apply_rope(rope, x, tokens, heads, positions, Isa{});

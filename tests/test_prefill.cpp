@@ -2,7 +2,7 @@
 // attention of the last n tokens of a sequence), and the identities it must keep: any chunking
 // equals one-shot prefill, decode after prefill equals the prefill's last row, paged equals
 // contiguous. Shapes: group sizes 1, 3, 4, 8 and groups = heads; head sizes 64, 128, 256 and odd
-// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16 and bf16 storage;
+// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16, bf16 and int8_row storage;
 // the scalar and the native path. Same element-wise bound as decode:
 // |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref|, |lse - ref| <= 2e-5 · (1 + |ref|) + e_s,
 // where e_s = 2^-23 · scale · head_dim · max|q| · max|k| is the rounding of one fp32 score (it
@@ -68,7 +68,7 @@ template <class T, class Isa, class P = kvattn::Plain>
 void check_against_reference(const GqaShape& s, int page, std::vector<std::int64_t> chunks, kvattn::PrefillParams params = {},
                              float q_scale = 1.0f, std::int64_t window = 0, float soft_cap = 0.0f) {
   SCOPED_TRACE(kvattn::detail::concat("q_heads=", s.q_heads, " kv_heads=", s.kv_heads, " head_dim=", s.head_dim, " page=", page,
-                                      " storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name, " block=", params.query_block));
+                                      " storage=", kvattn::format_traits<T>::name, " isa=", Isa::name, " block=", params.query_block));
   std::int64_t total = 0;
   for (auto c : chunks) total += c;
   kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, (total + page - 1) / page + 1, s});
@@ -102,6 +102,12 @@ TYPED_TEST(Prefill, MatchesReferenceOverShapes) {
   check_against_reference<kvattn::fp16, Isa>(GqaShape::gqa(4, 2, 256), 16, {40, 9});
   check_against_reference<kvattn::fp16, Isa>(GqaShape::mha(5, 80), 1, {33});
   check_against_reference<kvattn::bf16, Isa>(GqaShape::mqa(8, 64), 16, {1});
+  // int8 with a scale per row: the chunk's own keys are read back quantized, as decode reads them.
+  for (int group : {1, 3, 8}) check_against_reference<kvattn::int8_row, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_against_reference<kvattn::int8_row, Isa>(GqaShape::gqa(8, 2, 128), 1, {33, 12});
+  check_against_reference<kvattn::int8_row, Isa>(GqaShape::mha(3, 80), 16, {45});
+  check_against_reference<kvattn::hadamard<kvattn::int8_row>, Isa>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
+  check_against_reference<kvattn::hadamard<kvattn::int8_row>, Isa>(GqaShape::gqa(4, 1, 128), 16, {40});
 }
 
 TYPED_TEST(Prefill, LongPromptAndBlocks) {
@@ -131,6 +137,8 @@ TYPED_TEST(Prefill, PoliciesAndLargeLogits) {
   check_against_reference<kvattn::bf16, Isa, kvattn::Alibi>(GqaShape::gqa(12, 4, 128), 16, {100});
   using Gpt = Compose<kvattn::SlidingWindow, kvattn::SoftCap, kvattn::Sinks>;
   check_against_reference<kvattn::bf16, Isa, Gpt>(GqaShape::gqa(8, 2, 64), 7, {70, 50}, {}, 4.0f, 32, 20.0f);
+  check_against_reference<kvattn::int8_row, Isa, Gpt>(GqaShape::gqa(8, 2, 64), 7, {70, 50}, {}, 4.0f, 32, 20.0f);
+  check_against_reference<kvattn::hadamard<kvattn::int8_row>, Isa, Gpt>(GqaShape::gqa(8, 2, 64), 7, {70, 50}, {}, 4.0f, 32, 20.0f);
 }
 
 /// A batch of sequences, each with a chunk of `chunk[b]` new tokens after a cached prefix of
@@ -140,7 +148,7 @@ template <class T, class Isa, class P>
 void check_batch(const GqaShape& s, int page, const std::vector<std::int64_t>& prefix, const std::vector<std::int64_t>& chunk,
                  std::int64_t window = 0, float soft_cap = 0.0f) {
   SCOPED_TRACE(kvattn::detail::concat("q_heads=", s.q_heads, " kv_heads=", s.kv_heads, " head_dim=", s.head_dim, " page=", page,
-                                      " storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name));
+                                      " storage=", kvattn::format_traits<T>::name, " isa=", Isa::name));
   std::int64_t pages = 0, total = 0;
   for (std::size_t b = 0; b < prefix.size(); ++b) pages += (prefix[b] + chunk[b] + page - 1) / page;
   kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, pages + 1, s});

@@ -9,7 +9,8 @@
 // group sizes 1, 3, 4, 8, head sizes 64, 128, 256, 80, 7, chunked prompts up to 500 tokens,
 // query blocks, variants; MLA decode in latent space (mla_decode) over DeepSeek-V2's head layout
 // and awkward widths, several queries, split, threaded, huge logits; RoPE in both styles, whole
-// and partial widths; fp16 and bf16 to fp32 and back. Storage fp32, fp16 and bf16 throughout.
+// and partial widths; fp16 and bf16 to fp32 and back. Storage fp32, fp16 and bf16 throughout,
+// and int8_row for decode and prefill.
 //
 // Bounds, the same as the tests of the native path:
 //  - decode and prefill, element-wise against reference.hpp (test_decode.cpp, test_prefill.cpp):
@@ -121,7 +122,7 @@ Policy policy_of(std::int64_t window, float soft_cap) {
 template <class Isa, class T>
 void check_decode(const DecodeCase& c, kvattn::ThreadPool* pool = nullptr, Policy which = Policy::plain) {
   if (which == Policy::plain) which = policy_of(c.window, c.soft_cap);
-  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name) + " isa=" + std::string(Isa::name) +
+  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::format_traits<T>::name) + " isa=" + std::string(Isa::name) +
                " threads=" + std::to_string(pool ? pool->threads() : 1) + " policy=" + std::to_string(static_cast<int>(which)));
   const checks::DecodeInputs<T> in(c);
   std::vector<float> out = in.out(), lse = in.lse(c);
@@ -138,6 +139,8 @@ template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::
   check_decode<Isa, float>(c, pool, which);
   check_decode<Isa, kvattn::fp16>(c, pool, which);
   check_decode<Isa, kvattn::bf16>(c, pool, which);
+  check_decode<Isa, kvattn::int8_row>(c, pool, which);
+  if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check_decode<Isa, kvattn::hadamard<kvattn::int8_row>>(c, pool, which);
 }
 
 template <class Isa> class IsaDecode : public OnThisCpu<Isa> {};
@@ -244,7 +247,7 @@ void check_prefill(const GqaShape& s, int page, std::vector<std::int64_t> chunks
                    std::int64_t window = 0, float soft_cap = 0.0f, float q_scale = 1.0f, Policy which = Policy::plain) {
   if (which == Policy::plain) which = policy_of(window, soft_cap);
   SCOPED_TRACE(kvattn::detail::concat("q_heads=", s.q_heads, " kv_heads=", s.kv_heads, " head_dim=", s.head_dim, " page=", page,
-                                      " storage=", kvattn::storage_traits<T>::name, " isa=", Isa::name, " block=", params.query_block,
+                                      " storage=", kvattn::format_traits<T>::name, " isa=", Isa::name, " block=", params.query_block,
                                       " window=", window, " cap=", soft_cap, " policy=", static_cast<int>(which)));
   std::int64_t total = 0;
   for (auto c : chunks) total += c;
@@ -286,6 +289,9 @@ TYPED_TEST(IsaPrefill, MatchesReferenceOverShapes) {
   check_prefill<TypeParam, kvattn::fp16>(GqaShape::gqa(4, 2, 256), 16, {40, 9});
   check_prefill<TypeParam, kvattn::fp16>(GqaShape::mha(5, 80), 1, {33});
   check_prefill<TypeParam, kvattn::bf16>(GqaShape::mqa(8, 64), 16, {1});
+  for (int group : {1, 3, 8}) check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(4, 2, 80), 1, {33});
+  check_prefill<TypeParam, kvattn::hadamard<kvattn::int8_row>>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
 }
 
 TYPED_TEST(IsaPrefill, LongPromptAndBlocks) {
@@ -308,6 +314,7 @@ TYPED_TEST(IsaPrefill, PoliciesAndLargeLogits) {
   p.query_block = 5;
   check_prefill<TypeParam, kvattn::bf16>(GqaShape::gqa(8, 2, 64), 7, {40}, p, 16, 20.0f, 4.0f, Policy::all);
   check_prefill<TypeParam, float>(GqaShape::gqa(6, 2, 7), 1, {64}, {}, 100, 5.0f, 1.0f, Policy::all);
+  check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(8, 2, 64), 7, {40}, p, 16, 20.0f, 4.0f, Policy::all);
 }
 
 // ---- RoPE ----------------------------------------------------------------------------------------

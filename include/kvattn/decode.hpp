@@ -122,16 +122,21 @@ KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c
 /// none).
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
 /// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
+/// Formats with a scale per row (format.hpp): ks[t], vs[t] are token t's key and value scales
+/// ([kDecodeTile], 0 past n); other formats ignore them.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
-///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token.
+///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token,
+///      and scaled (by the key's scale too).
 ///   2. Per row over the tile: the policy's window, logits and mask, then the online softmax:
-///      new maximum, rescale factor, probabilities.
+///      new maximum, rescale factor, probabilities (times the value's scale).
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
 template <class Isa, int HeadDim, int NR, class P, class T>
 KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
                                       int n, std::int64_t t0, int dim, const float* const* qr, const QueryRow* rows,
-                                      float* const* o, float scale, const P& policy) noexcept {
+                                      float* const* o, float scale, const P& policy, const float* ks,
+                                      const float* vs) noexcept {
+  constexpr bool kRowScale = format_traits<T>::row_scale;
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
   static_assert(kDecodeTile % W == 0, "a tile is whole vectors of tokens");
@@ -171,9 +176,16 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   float alpha[NR];
   for (int r = 0; r < NR; ++r) {
     const Vec vscale = Vec::set1(scale);
-    for (int g = 0; g < kDecodeTile; g += W) (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
+    for (int g = 0; g < kDecodeTile; g += W) {
+      if constexpr (kRowScale)
+        (Vec::sum_each(&red[r][g]) * vscale * Vec::load(ks + g)).store(&s[r][g]);
+      else
+        (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
+    }
     core_impl::policy_tile<kDecodeTile>(policy, rows[r], t0, n, s[r]);
     alpha[r] = core_impl::row_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
+    if constexpr (kRowScale)
+      for (int g = 0; g < kDecodeTile; g += W) (Vec::load(&s[r][g]) * Vec::load(vs + g)).store(&s[r][g]);
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
@@ -207,10 +219,13 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
 /// Up to kDecodeSpan consecutive tokens of one sequence: where each token's row starts in its
 /// page (add PageLayout::key(h, 0) or value(h, 0) for KV head h). A span never crosses a page
 /// boundary when pages hold kDecodeTile tokens or more, so it is one run of each head block.
+/// Formats with a scale per row: scale[i] is token i's key scale for KV head 0 in its page's
+/// scale block (add PageLayout::key_scale(h, 0) or value_scale(h, 0) for KV head h).
 template <class T> struct Span {
   std::int64_t t0 = 0;  ///< position of the first token
   int n = 0;            ///< tokens, 0: none
   const T* token[kDecodeSpan];
+  const float* scale[format_traits<T>::row_scale ? kDecodeSpan : 1];
 };
 
 /// Walks a sequence's page table from a position on, without a division per token.
@@ -232,7 +247,9 @@ template <class T> struct SpanWalker {
     s.t0 = t;
     s.n = static_cast<int>(std::min(room, end - t));
     for (int i = 0; i < s.n; ++i) {
-      s.token[i] = kv->page(pages[page]) + std::int64_t{slot} * dim;
+      const T* p = kv->page(pages[page]);
+      s.token[i] = p + std::int64_t{slot} * dim;
+      if constexpr (format_traits<T>::row_scale) s.scale[i] = reinterpret_cast<const float*>(p + kv->layout.scale_offset) + slot;
       if (++slot == P) {
         slot = 0;
         ++page;
@@ -267,16 +284,22 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
     o[dim + 1] = 0.0f;
   }
   if (begin >= end) return;
-  // The queries in the order keys and values are converted in: [kv_heads][rows][dim].
+  // The queries in the order keys and values are converted in: [kv_heads][rows][dim]; for a
+  // rotated format (format.hpp), in the keys' rotated basis.
+  constexpr bool kRotated = format_traits<T>::rotated;
+  static_assert(!kRotated || !simd::Vec<Isa>::template interleaves_pairs<T>, "a rotated row is read in its natural order");
   for (int h = 0; h < H; ++h)
     for (int row = 0; row < rows; ++row) {
       const int i = row / group;
-      simd::to_pair_order<Isa, T>(q + i * q_row_stride + (std::int64_t{h} * group + (row - i * group)) * dim,
-                                  q_scratch + (std::int64_t{h} * rows + row) * dim, dim);
+      float* qs = q_scratch + (std::int64_t{h} * rows + row) * dim;
+      simd::to_pair_order<Isa, T>(q + i * q_row_stride + (std::int64_t{h} * group + (row - i * group)) * dim, qs, dim);
+      if constexpr (kRotated) hadamard_rotate(qs, dim);
     }
 
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
+  constexpr bool kRowScale = format_traits<T>::row_scale;
+  alignas(64) float ks[kDecodeTile] = {}, vs[kDecodeTile] = {};  // the tile's scales (row-scale formats), 0 past n
   const float* qr[kRowBlock];
   QueryRow qrow[kRowBlock];
   float* o[kRowBlock];
@@ -302,6 +325,14 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
       for (int i0 = 0; i0 < cur->n; i0 += kDecodeTile) {
         const int n = std::min(kDecodeTile, cur->n - i0);
         for (int t = 0; t < n; ++t) keys[t] = cur->token[i0 + t] + key_offset;
+        if constexpr (kRowScale) {
+          const std::int64_t k_at = kv.layout.key_scale(h, 0), v_at = kv.layout.value_scale(h, 0);
+          for (int t = 0; t < n; ++t) {
+            ks[t] = cur->scale[i0 + t][k_at];
+            vs[t] = cur->scale[i0 + t][v_at];
+          }
+          for (int t = n; t < kDecodeTile; ++t) ks[t] = vs[t] = 0.0f;
+        }
         // Tokens past the end of the later span prefetch their own rows again: no test per token.
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n; ++t) ahead[t] = t < n_ahead ? sp->token[i0 + t] + ahead_offset : keys[t];
@@ -319,7 +350,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, HeadDim, NR>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy); \
+      decode_tile<Isa, HeadDim, NR>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -328,7 +359,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, HeadDim, kRowBlock>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy); break;
+            default: decode_tile<Isa, HeadDim, kRowBlock>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }
@@ -339,6 +370,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
   for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {  // normalize: o = Σ p v / d, in natural order
     float* out = part + r * stride;
     simd::from_pair_order<Isa, T>(out, dim);
+    if constexpr (kRotated) hadamard_rotate(out, dim);  // back from the values' rotated basis
     if (out[dim + 1] > 0.0f) {
       const float inv = 1.0f / out[dim + 1];
       for (int c = 0; c < dim; ++c) out[c] *= inv;

@@ -6,10 +6,13 @@
 // reference-counted: fork() gives a child every page of its parent, and the first write into a
 // shared page copies that page, in every layer, for the writer (copy-on-write).
 //
-// Storage, one element type T (fp32, fp16, bf16), in the memory space M:
+// Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, hadamard<int8_row>), in the
+// memory space M:
 //   pool   [layers][num_pages][page_stride]        layer_stride = num_pages · page_stride
-// and within one page of one layer (PageLayout):
+// and within one page of one layer (PageLayout, in units of T):
 //   GQA family  [2 (K, V)][kv_heads][head_stride]  a head block holds [page_size][head_dim]
+//               then, for formats with a scale per row, the scale block
+//               [2 (K, V)][kv_heads][page_size] fp32
 //   MLA         [page_size][row_stride]            a row holds [latent_dim | rope_dim]
 // Why: a decode kernel works on one (sequence, KV head) at a time and streams that head's keys,
 // then its values, page after page; with one KV head's tokens contiguous each page gives it two
@@ -17,8 +20,9 @@
 // (head_stride is padded to 64 bytes). MLA scores every head against the same latent rows, so a
 // token's latent and rotary key sit together in one row, and the values are a view of the
 // latent (the first latent_dim elements of each row). Every page starts on a cache line.
-// Narrower formats with per-page or per-token scales will add a scale block to PageLayout, so
-// kernels find the scales through the same view; callers never pass them separately.
+// A quantized format's scales sit in the page's own scale block, not beside each row, so that
+// every head's run of values stays contiguous and aligned; kernels find them through the same
+// view, fork and copy-on-write copy them with their page, and callers never pass them.
 //
 // Kernels see the cache through PagedKvView: the layer's pool pointer, the layout, and a batch's
 // page table as plain CSR arrays (indptr, indices, tokens in the last page), identical for CPU
@@ -54,6 +58,7 @@
 
 #include "config.hpp"
 #include "error.hpp"
+#include "format.hpp"
 #include "memory.hpp"
 #include "model.hpp"
 #include "shape.hpp"
@@ -82,30 +87,43 @@ struct TokenRange {
   std::int64_t count = 0;  ///< 0: nothing to write (the sequence must still exist)
 };
 
-/// Element offsets within one page of one layer. The same for every page and layer.
+/// Offsets within one page of one layer, in units of the cache's format (format_traits<F>::unit:
+/// an element of fp32 / fp16 / bf16, a byte of the 8-bit formats). The same for every page and
+/// layer.
 struct PageLayout {
   PageContent content = PageContent::gqa;
   int page_size = 0;               ///< tokens per page
   int kv_heads = 0, head_dim = 0;  ///< GQA family
-  std::int64_t head_stride = 0;    ///< GQA: elements from one head block to the next
+  std::int64_t head_stride = 0;    ///< GQA: units from one head block to the next
   int latent_dim = 0, rope_dim = 0;  ///< MLA
-  std::int64_t row_stride = 0;       ///< MLA: elements from one token's row to the next
-  std::int64_t page_stride = 0;      ///< elements from one page to the next (64-byte multiple)
+  std::int64_t row_stride = 0;       ///< MLA: units from one token's row to the next
+  /// GQA formats with a scale per row: units from the page's start to its scale block,
+  /// [2 (K, V)][kv_heads][page_size] floats on a cache line (key_scale, value_scale); 0: none.
+  std::int64_t scale_offset = 0;
+  std::int64_t page_stride = 0;      ///< units from one page to the next (64-byte multiple)
+  int unit_bytes = 0;                ///< bytes of one unit
 
-  /// The layout for `shape` with pages of `page_size` tokens of elements of `element_bytes`.
-  static PageLayout make(const AttentionShape& shape, int page_size, std::size_t element_bytes) {
-    const auto pad = [&](std::int64_t elements) {  // round up to whole cache lines
-      const auto per_line = static_cast<std::int64_t>(kAlignment / element_bytes);
-      return (elements + per_line - 1) / per_line * per_line;
+  /// The layout for `shape` with pages of `page_size` tokens of units of `unit_bytes`; with
+  /// `row_scales`, a GQA page ends in a scale block.
+  static PageLayout make(const AttentionShape& shape, int page_size, std::size_t unit_bytes, bool row_scales = false) {
+    const auto pad = [&](std::int64_t units) {  // round up to whole cache lines
+      const auto per_line = static_cast<std::int64_t>(kAlignment / unit_bytes);
+      return (units + per_line - 1) / per_line * per_line;
     };
     PageLayout l;
     l.page_size = page_size;
+    l.unit_bytes = static_cast<int>(unit_bytes);
     if (const auto* g = std::get_if<GqaShape>(&shape)) {
       l.content = PageContent::gqa;
       l.kv_heads = g->kv_heads;
       l.head_dim = g->head_dim;
       l.head_stride = pad(std::int64_t{page_size} * g->head_dim);
       l.page_stride = 2 * l.kv_heads * l.head_stride;
+      if (row_scales) {
+        l.scale_offset = l.page_stride;
+        const std::int64_t scale_bytes = 2 * std::int64_t{l.kv_heads} * page_size * std::int64_t{sizeof(float)};
+        l.page_stride += pad((scale_bytes + static_cast<std::int64_t>(unit_bytes) - 1) / static_cast<std::int64_t>(unit_bytes));
+      }
     } else {
       const MlaShape& m = std::get<MlaShape>(shape);
       l.content = PageContent::mla;
@@ -125,9 +143,19 @@ struct PageLayout {
   /// MLA: first element of token `token`'s latent [latent_dim] and rotary key [rope_dim].
   constexpr std::int64_t latent(int token) const noexcept { return std::int64_t{token} * row_stride; }
   constexpr std::int64_t rope(int token) const noexcept { return std::int64_t{token} * row_stride + latent_dim; }
-  /// Elements one token holds in one layer, padding excluded.
+  /// GQA, formats with a scale per row: index, in the scale block's floats, of the scale of
+  /// token `token`'s key (value) row for KV head `head`. Tokens of one head are consecutive.
+  constexpr std::int64_t key_scale(int head, int token) const noexcept { return std::int64_t{head} * page_size + token; }
+  constexpr std::int64_t value_scale(int head, int token) const noexcept {
+    return (std::int64_t{kv_heads} + head) * page_size + token;
+  }
+  /// Values one token holds in one layer, padding and scales excluded.
   constexpr std::int64_t token_elements() const noexcept {
     return content == PageContent::gqa ? 2 * std::int64_t{kv_heads} * head_dim : std::int64_t{latent_dim} + rope_dim;
+  }
+  /// Bytes one token holds in one layer, its scales included, padding excluded.
+  constexpr std::int64_t token_bytes() const noexcept {
+    return token_elements() * unit_bytes + (scale_offset != 0 ? 2 * std::int64_t{kv_heads} * std::int64_t{sizeof(float)} : 0);
   }
 };
 
@@ -202,16 +230,27 @@ struct CacheStats {
 };
 
 template <class T, class M = HostMemory> class PagedKvCache {
-  static_assert(is_storage_type_v<T>, "kvattn::PagedKvCache: T must be fp32, fp16 or bf16");
+  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row or hadamard<int8_row> (format.hpp)");
 
  public:
-  using element_type = T;
+  using element_type = T;  ///< the format: format_traits<T>
   using memory_space = M;
+  /// Whether each row carries a scale (format.hpp): the page then ends in a scale block.
+  static constexpr bool kRowScale = format_traits<T>::row_scale;
 
   explicit PagedKvCache(const CacheConfig& config) : config_(config) {
     if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
+    if (kRowScale && !std::holds_alternative<GqaShape>(config.shape))
+      raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name,
+                                             " format holds GQA-family pages (keys and values per KV head); an MLA cache is fp32, fp16 or bf16"));
+    if constexpr (format_traits<T>::rotated) {
+      const int d = std::get<GqaShape>(config.shape).head_dim;
+      if (d > kMaxRotatedDim || (d & (d - 1)) != 0)
+        raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name, " format rotates rows of head_dim=", d,
+                                               ": head_dim must be a power of two up to ", kMaxRotatedDim));
+    }
     check_sizes(config);
-    layout_ = PageLayout::make(config.shape, config.page_size, sizeof(T));
+    layout_ = PageLayout::make(config.shape, config.page_size, sizeof(T), kRowScale);
     layer_stride_ = config.num_pages * layout_.page_stride;
     pool_bytes_ = static_cast<std::size_t>(layer_stride_ * config.layers) * sizeof(T);
     refcount_.assign(static_cast<std::size_t>(config.num_pages), 0);
@@ -383,10 +422,12 @@ template <class T, class M = HostMemory> class PagedKvCache {
   // ---- writing and reading tokens ------------------------------------------------------------
 
   /// GQA family: writes keys and values of tokens [first, first + count) of `seq` in `layer`.
-  /// k, v: [count][kv_heads][head_dim] of fp32, fp16 or bf16 (converted to T). Copies any shared
-  /// page in that range first (in every layer); fails before writing if the pool cannot.
+  /// k, v: [count][kv_heads][head_dim] of fp32, fp16 or bf16 (converted to T, or quantized with
+  /// one scale per row: format.hpp). Copies any shared page in that range first (in every
+  /// layer); fails before writing if the pool cannot.
   template <class Src, class Target = this_target>
   void write(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* k, const Src* v) {
+    static_assert(is_storage_type_v<Src>, "kvattn::PagedKvCache::write: k and v are fp32, fp16 or bf16");
     prepare_write(seq, layer, first, count, PageContent::gqa, "write");
     const Sequence& s = seqs_.at(seq);
     const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
@@ -395,8 +436,14 @@ template <class T, class M = HostMemory> class PagedKvCache {
       const int t = static_cast<int>((first + i) % config_.page_size);
       for (int h = 0; h < layout_.kv_heads; ++h) {
         const std::int64_t src = (i * layout_.kv_heads + h) * layout_.head_dim;
-        convert_row(typename Target::isa{}, k + src, page + layout_.key(h, t), d);
-        convert_row(typename Target::isa{}, v + src, page + layout_.value(h, t), d);
+        if constexpr (kRowScale) {
+          float* scales = scale_block(page);
+          scales[layout_.key_scale(h, t)] = format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d);
+          scales[layout_.value_scale(h, t)] = format_traits<T>::quantize_row(v + src, page + layout_.value(h, t), d);
+        } else {
+          convert_row(typename Target::isa{}, k + src, page + layout_.key(h, t), d);
+          convert_row(typename Target::isa{}, v + src, page + layout_.value(h, t), d);
+        }
       }
     }
   }
@@ -409,6 +456,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// [first, first + count) of `seq` in `layer`. Copy-on-write as write().
   template <class Src, class Target = this_target>
   void write_latent(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* latent, const Src* rope) {
+    static_assert(!kRowScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
     prepare_write(seq, layer, first, count, PageContent::mla, "write_latent");
     const Sequence& s = seqs_.at(seq);
     for (std::int64_t i = 0; i < count; ++i) {
@@ -423,21 +471,44 @@ template <class T, class M = HostMemory> class PagedKvCache {
     write_latent<Src, Target>(seq, layer, position, 1, latent, rope);
   }
 
-  /// GQA family: token `position`'s keys and values in `layer`, k, v: [kv_heads][head_dim].
+  /// GQA family: token `position`'s keys and values in `layer`, k, v: [kv_heads][head_dim]
+  /// (dequantized: the values the kernels compute with).
   template <class Dst, class Target = this_target>
   void read(SeqId seq, int layer, std::int64_t position, Dst* k, Dst* v) const {
+    static_assert(is_storage_type_v<Dst>, "kvattn::PagedKvCache::read: k and v are fp32, fp16 or bf16");
     const T* page = token_page(seq, layer, position, PageContent::gqa, "read");
     const int t = static_cast<int>(position % config_.page_size);
     const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
     for (int h = 0; h < layout_.kv_heads; ++h) {
-      convert_row(typename Target::isa{}, page + layout_.key(h, t), k + std::int64_t{h} * layout_.head_dim, d);
-      convert_row(typename Target::isa{}, page + layout_.value(h, t), v + std::int64_t{h} * layout_.head_dim, d);
+      Dst* kd = k + std::int64_t{h} * layout_.head_dim;
+      Dst* vd = v + std::int64_t{h} * layout_.head_dim;
+      if constexpr (kRowScale) {
+        const float* scales = scale_block(page);
+        const auto dequantize = [&](const T* q, float scale, Dst* dst) {
+          float x[format_traits<T>::rotated ? kMaxRotatedDim : 1];
+          for (std::size_t c = 0; c < d; ++c) {
+            const float value = format_traits<T>::dequantize(q[c], scale);
+            if constexpr (format_traits<T>::rotated) x[c] = value;
+            else dst[c] = from_float<Dst>(value);
+          }
+          if constexpr (format_traits<T>::rotated) {  // back from the rotated basis
+            hadamard_rotate(x, static_cast<int>(d));
+            for (std::size_t c = 0; c < d; ++c) dst[c] = from_float<Dst>(x[c]);
+          }
+        };
+        dequantize(page + layout_.key(h, t), scales[layout_.key_scale(h, t)], kd);
+        dequantize(page + layout_.value(h, t), scales[layout_.value_scale(h, t)], vd);
+      } else {
+        convert_row(typename Target::isa{}, page + layout_.key(h, t), kd, d);
+        convert_row(typename Target::isa{}, page + layout_.value(h, t), vd, d);
+      }
     }
   }
 
   /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`.
   template <class Dst, class Target = this_target>
   void read_latent(SeqId seq, int layer, std::int64_t position, Dst* latent, Dst* rope) const {
+    static_assert(!kRowScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
     const T* page = token_page(seq, layer, position, PageContent::mla, "read_latent");
     const int t = static_cast<int>(position % config_.page_size);
     convert_row(typename Target::isa{}, page + layout_.latent(t), latent, static_cast<std::size_t>(layout_.latent_dim));
@@ -515,7 +586,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     st.bytes_per_page = layout_.page_stride * config_.layers * elem;
     st.bytes_reserved = st.pages_used * st.bytes_per_page;
     st.bytes_pool = st.pages_total * st.bytes_per_page;
-    st.bytes_stored = st.tokens_stored * layout_.token_elements() * config_.layers * elem;
+    st.bytes_stored = st.tokens_stored * layout_.token_bytes() * config_.layers;
     std::int64_t tables = 0;
     for (const auto& entry : seqs_)
       tables += static_cast<std::int64_t>(sizeof(entry) + entry.second.pages.capacity() * sizeof(PageId));
@@ -570,7 +641,8 @@ template <class T, class M = HostMemory> class PagedKvCache {
     I blocks = 1, width = 0;
     if (const auto* g = std::get_if<GqaShape>(&c.shape)) {
       blocks = I{2} * g->kv_heads;
-      width = g->head_dim;
+      // A row's scale is at most 4 units more per token (scale block), padded like a head block.
+      width = I{g->head_dim} + (kRowScale ? I{4} : I{0});
     } else {
       const MlaShape& m = std::get<MlaShape>(c.shape);
       width = I{m.latent_dim} + m.rope_dim;
@@ -690,6 +762,10 @@ template <class T, class M = HostMemory> class PagedKvCache {
     for (std::int64_t i = a; i <= b; ++i)
       if (refcount_[page_index(s.pages[static_cast<std::size_t>(i)])] > 1) make_private(s, i);
   }
+
+  /// A page's scale block: [2][kv_heads][page_size] floats (formats with a scale per row).
+  float* scale_block(T* page) const noexcept { return reinterpret_cast<float*>(page + layout_.scale_offset); }
+  const float* scale_block(const T* page) const noexcept { return reinterpret_cast<const float*>(page + layout_.scale_offset); }
 
   T* page_data(int layer, const Sequence& s, std::int64_t position) noexcept {
     return layer_data(layer) + std::int64_t{s.pages[static_cast<std::size_t>(position / config_.page_size)]} * layout_.page_stride;

@@ -411,14 +411,24 @@ void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t fir
       const int slot = static_cast<int>(pos % page_size);
       const T* k = page + kv.layout.key(kv_head, slot);
       const T* v = page + kv.layout.value(kv_head, slot);
+      Vec ks = Vec::set1(1.0f), vs = ks;  // the rows' scales (format.hpp)
+      if constexpr (format_traits<T>::row_scale) {
+        const float* scales = reinterpret_cast<const float*>(page + kv.layout.scale_offset);
+        ks = Vec::set1(scales[kv.layout.key_scale(kv_head, slot)]);
+        vs = Vec::set1(scales[kv.layout.value_scale(kv_head, slot)]);
+      }
       int c = 0;
       for (; c + W <= dim; c += W) {
-        Vec::load(k + c).store(kf + t * dim + c);
-        Vec::load(v + c).store(vf + t * dim + c);
+        (Vec::load(k + c) * ks).store(kf + t * dim + c);
+        (Vec::load(v + c) * vs).store(vf + t * dim + c);
       }
       if (c < dim) {
-        Vec::load_partial(k + c, dim - c).store_partial(kf + t * dim + c, dim - c);
-        Vec::load_partial(v + c, dim - c).store_partial(vf + t * dim + c, dim - c);
+        (Vec::load_partial(k + c, dim - c) * ks).store_partial(kf + t * dim + c, dim - c);
+        (Vec::load_partial(v + c, dim - c) * vs).store_partial(vf + t * dim + c, dim - c);
+      }
+      if constexpr (format_traits<T>::rotated) {  // back from the rotated basis (format.hpp)
+        hadamard_rotate(kf + t * dim, dim);
+        hadamard_rotate(vf + t * dim, dim);
       }
     }
     for (int blk = 0; blk < blocks; ++blk) {

@@ -3,7 +3,8 @@
 // Vec<Isa> holds Vec<Isa>::lanes floats. Generic kernels use only these operations; each
 // instruction set specializes Vec with its intrinsics, and Vec<isa::scalar> (one lane) is plain
 // C++, so the scalar kernel reads like the math. Loads convert from the storage type (fp32,
-// fp16, bf16); load_partial / store_partial touch only the first n lanes (0 <= n < lanes).
+// fp16, bf16, and int8_row's values without their row's scale, which kernels apply per token);
+// load_partial / store_partial touch only the first n lanes (0 <= n < lanes).
 //
 // Two operations exist for kernels that stream keys and values:
 //   load_pair(p, a, b)  converts 2 · lanes elements at once. Where it is cheaper (bf16 on the
@@ -24,6 +25,7 @@
 #include <type_traits>
 
 #include "config.hpp"
+#include "format.hpp"
 #include "storage.hpp"
 
 #if KVATTN_HAS_AVX2 || KVATTN_HAS_AVX512
@@ -88,6 +90,9 @@ template <> struct Vec<isa::avx2> {
     const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16))};
   }
+  static Vec load(const int8_row* p) noexcept {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
   template <class T> static Vec load_partial(const T* p, int n) noexcept {
     T tmp[lanes] = {};
     std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
@@ -131,6 +136,11 @@ template <> struct Vec<isa::avx2> {
     a = load(p);
     b = load(p + lanes);
   }
+  static void load_pair(const int8_row* p, Vec& a, Vec& b) noexcept {  // one load of 16 bytes
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    a.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w));
+    b.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w, w)));
+  }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -170,6 +180,12 @@ template <> struct Vec<isa::avx512> {
   static Vec load_partial(const bf16* p, int n) noexcept {
     const __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask(n), p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16))};
+  }
+  static Vec load(const int8_row* p) noexcept {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static Vec load_partial(const int8_row* p, int n) noexcept {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)))};
   }
   void store(float* p) const noexcept { _mm512_storeu_ps(p, v); }
   void store_partial(float* p, int n) const noexcept { _mm512_mask_storeu_ps(p, mask(n), v); }
@@ -233,6 +249,12 @@ template <> struct Vec<isa::neon> {
   static Vec load(const bf16* p) noexcept {
     return {vreinterpretq_f32_u32(vshlq_n_u32(vmovl_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))), 16))};
   }
+  static Vec load(const int8_row* p) noexcept {
+    std::int32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)))};
+  }
   template <class T> static Vec load_partial(const T* p, int n) noexcept {
     T tmp[lanes] = {};
     std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
@@ -267,6 +289,11 @@ template <> struct Vec<isa::neon> {
   template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
     a = load(p);
     b = load(p + lanes);
+  }
+  static void load_pair(const int8_row* p, Vec& a, Vec& b) noexcept {  // one load of 8 bytes
+    const int16x8_t h = vmovl_s8(vld1_s8(reinterpret_cast<const std::int8_t*>(p)));
+    a.v = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+    b.v = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
   }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const uint32x4_t w = vld1q_u32(reinterpret_cast<const std::uint32_t*>(p));

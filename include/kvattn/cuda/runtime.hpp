@@ -273,7 +273,10 @@ class StagedUpload {
 namespace impl {
 /// The device's view of a storage type: fp32 as float, fp16 as __half, bf16 as __nv_bfloat16 (the
 /// same 16 bits as kvattn::fp16 and kvattn::bf16).
-template <class T> struct device_type { using type = float; };
+template <class T> struct device_type {
+  static_assert(std::is_same_v<T, fp32>, "kvattn::cuda: the CUDA kernels read fp32, fp16 and bf16 caches");
+  using type = float;
+};
 template <> struct device_type<fp16> { using type = __half; };
 template <> struct device_type<bf16> { using type = __nv_bfloat16; };
 
