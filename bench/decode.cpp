@@ -11,6 +11,11 @@
 //                    gqa32x8 only, at every (C, B, N) of the plain rows, measured and reported
 //                    exactly as they are, so that a filter such as
 //                    'decode/kvattn.*/gqa32x8/bf16/ctx:16384' puts a policy's cost beside plain.
+//            kvattn_i8q: the plain kernel on int8 rows (both shapes) with
+//                    DecodeParams::int8_queries: int8 keys scored against int8 queries, by
+//                    integer dot products where the ISA has them; beside kvattn's int8 rows;
+//            kvattn_i8qp: the same with DecodeParams::u8_probabilities too (values weighed
+//                    by 8-bit probabilities, also by integer dot products).
 //            eigen:  the baseline a user would write with Eigen (eigen_attend below): for every
 //                    sequence and query head, gather that head's K and V rows page by page into
 //                    contiguous float matrices (Eigen's vectorized cast), scores = K · q (GEMV),
@@ -283,7 +288,7 @@ template <Policy P, class F> void with_policy(const std::vector<float>& values, 
     f(kvattn::Plain{});
 }
 
-template <class T, Policy Pol> void bm_kvattn(benchmark::State& state, GqaShape shape) {
+template <class T, Policy Pol, bool Int8Queries = false, bool U8Probabilities = false> void bm_kvattn(benchmark::State& state, GqaShape shape) {
   if (!have_pool(state)) return;
   Setup<T> s(state, shape);
   std::vector<float> lse(static_cast<std::size_t>(s.batch * shape.q_heads));
@@ -295,7 +300,10 @@ template <class T, Policy Pol> void bm_kvattn(benchmark::State& state, GqaShape 
     with_policy<Pol>(values, shape.q_heads, [&](const auto& policy) {
       // The step's plan, once: every table in rotation holds the same batch (B sequences of C
       // tokens), as every layer of a step does.
-      plan.make(s.view(0), shape, kvattn::DecodeParams{}, pf);
+      kvattn::DecodeParams params;
+      params.int8_queries = Int8Queries;
+      params.u8_probabilities = U8Probabilities;
+      plan.make(s.view(0), shape, params, pf);
       start = std::chrono::steady_clock::now();
       for (auto _ : state) {
         kvattn::decode(s.view(step++), s.q.data(), s.out.data(), lse.data(), plan, pf, policy);
@@ -308,6 +316,8 @@ template <class T, Policy Pol> void bm_kvattn(benchmark::State& state, GqaShape 
   kvattn::bench::report_read_fraction(state, static_cast<double>(state.iterations()) * static_cast<double>(s.bytes) / seconds, s.threads);
   std::string what = "kvattn " + std::string(kvattn::isa::native::name);
   if (Pol != Policy::plain) what += std::string(", ") + policy_name(Pol);
+  if (Int8Queries) what += ", int8 queries";
+  if (U8Probabilities) what += ", u8 probabilities";
   state.SetLabel(s.label(what));
 }
 
@@ -428,6 +438,13 @@ template <class T> void register_family(const std::string& shape_name, const Gqa
   }
   if constexpr (!kvattn::format_traits<T>::row_scale)
     families.emplace_back(benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape), kEigenMaxBytes);
+  if constexpr (kvattn::is_int8_format_v<T>)
+    families.emplace_back(
+        benchmark::RegisterBenchmark(("decode/kvattn_i8q" + suffix).c_str(), bm_kvattn<T, Policy::plain, true>, shape), kMaxCacheBytes);
+  if constexpr (kvattn::is_int8_format_v<T>)
+    families.emplace_back(benchmark::RegisterBenchmark(("decode/kvattn_i8qp" + suffix).c_str(),
+                                                       bm_kvattn<T, Policy::plain, true, true>, shape),
+                          kMaxCacheBytes);
   for (auto [b, limit] : families) {
     b->ArgNames({"ctx", "batch", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
     for (int batch : kBatches)

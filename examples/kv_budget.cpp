@@ -2,6 +2,7 @@
 //
 //   kv_budget --preset deepseek-v2 --context 131072 --compare
 //   kv_budget --layers 32 --q-heads 32 --kv-heads 8 --head-dim 128 --bits 8 --json
+//   kv_budget --preset llama-3-8b --format int8 --memory 80GiB --weights 16GB
 //   kv_budget --preset llama-3.1-70b --memory 80GiB --weights 141GB --tp 4
 //
 // Every figure comes from kvattn/budget.hpp; this file only reads flags and prints.
@@ -30,7 +31,12 @@ MODEL is one of:
 options:
   --context T     tokens per sequence (default 4096)
   --batch B       sequences (default 1)
-  --bits N        bits per cached element, fractions allowed (default 16)
+  --bits N        bits per cached element, fractions allowed (default 16): a uniform width,
+                  for formats the cache may not have
+  --format NAME   a KV format of the cache, counted exactly: its values and per-row scales,
+                  and capacity in pages padded as the cache pads them. Excludes --bits.
+                  NAME: {formats}. A design the format cannot hold
+                  (MLA in int8, a head_dim not a power of two in int8_hadamard) shows as n/a
   --compare       the same model as MHA, GQA, MQA and MLA side by side, where the shape allows
   --json          machine-readable: a JSON array, one object per row, exact integer byte counts
   --memory SIZE   memory of one device (e.g. 80GiB, 141GB, 1073741824): plan capacity
@@ -46,6 +52,23 @@ struct BadInput {
 };
 
 [[noreturn]] void fail(const std::string& message) { throw BadInput{message}; }
+
+std::string usage() {
+  std::string text = kUsage;
+  const std::string_view slot = "{formats}";
+  text.replace(text.find(slot), slot.size(), kvattn::KvFormat::names());
+  return text;
+}
+
+/// `text` as the inside of a JSON string.
+std::string json_escaped(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    if (c == '"' || c == '\\') out += '\\';
+    out += c;
+  }
+  return out;
+}
 
 std::uint64_t parse_count(std::string_view flag, std::string_view text) {
   std::uint64_t v = 0;
@@ -137,7 +160,8 @@ Options parse(int argc, char** argv) {
   std::string preset;
   kvattn::CapacityRequest cap;
   cap.page_size = 16;
-  bool planning = false, capacity_flag = false;
+  bool planning = false, capacity_flag = false, bits_flag = false;
+  std::optional<kvattn::KvFormat> format;
   for (int i = 1; i < argc; ++i) {
     const std::string_view flag = argv[i];
     const auto value = [&]() -> std::string_view {
@@ -145,7 +169,7 @@ Options parse(int argc, char** argv) {
       return argv[++i];
     };
     if (flag == "--help" || flag == "-h") {
-      std::fputs(kUsage, stdout);
+      std::fputs(usage().c_str(), stdout);
       std::exit(0);
     } else if (flag == "--list-presets") {
       for (const kvattn::ModelPreset& p : kvattn::presets::all)
@@ -173,6 +197,9 @@ Options parse(int argc, char** argv) {
       o.workload.batch = parse_count(flag, value());
     } else if (flag == "--bits") {
       o.workload.bits = kvattn::ElementBits::parse(value());
+      bits_flag = true;
+    } else if (flag == "--format") {
+      format = kvattn::KvFormat::parse(value());
     } else if (flag == "--compare") {
       o.compare = true;
     } else if (flag == "--json") {
@@ -215,10 +242,13 @@ Options parse(int argc, char** argv) {
     fail("no model: give --preset NAME or a custom shape");
   }
   if (std::string why = o.model->check(); !why.empty()) fail(why);
+  if (format && bits_flag) fail("--format and --bits exclude each other: a format has its own width (and scales)");
+  if (format) o.workload = kvattn::Workload(o.workload.context, o.workload.batch, *format);
   if (capacity_flag && !planning) fail("--weights, --tp and --page-size plan capacity and need --memory");
   if (planning) {
     cap.context = o.workload.context;
     cap.bits = o.workload.bits;
+    cap.format = o.workload.format;
     o.capacity = cap;
   }
   return o;
@@ -226,11 +256,21 @@ Options parse(int argc, char** argv) {
 
 struct Row {
   kvattn::Model model;
+  bool own = false;
+  std::string format_error;  ///< why the format cannot hold this design: the row is n/a
   kvattn::Footprint footprint;
   std::optional<kvattn::CapacityPlan> plan;
   std::string plan_error;
-  bool own = false;
 };
+
+/// "16 bits per element", "int8 format (8-bit values, a 4-byte scale per row)"
+std::string width_text(const kvattn::Workload& w) {
+  if (!w.format) return w.bits.to_string() + " bits per element";
+  const kvattn::KvFormat& f = *w.format;
+  return kvattn::detail::concat(f.name(), " format (", f.bits(), "-bit values",
+                                f.row_scale() ? kvattn::detail::concat(", a ", f.scale_bytes(), "-byte scale per row") : "",
+                                f.rotated() ? ", rows Hadamard-rotated" : "", ")");
+}
 
 void print_json(const Options& o, const std::vector<Row>& rows) {
   std::printf("[\n");
@@ -245,8 +285,17 @@ void print_json(const Options& o, const std::vector<Row>& rows) {
       std::printf(", \"latent_dim\": %d, \"rope_dim\": %d", m.mla().latent_dim, m.mla().rope_dim);
     else
       std::printf(", \"kv_heads\": %d, \"head_dim\": %d", m.gqa().kv_heads, m.gqa().head_dim);
+    if (o.workload.format)
+      std::printf(", \"format\": \"%s\", \"scale_bytes_per_row\": %d", std::string(o.workload.format->name()).c_str(),
+                  o.workload.format->scale_bytes());
+    else
+      std::printf(", \"format\": null");
     std::printf(", \"bits\": %s, \"context\": %" PRIu64 ", \"batch\": %" PRIu64, o.workload.bits.to_string().c_str(),
                 o.workload.context, o.workload.batch);
+    if (!r.format_error.empty()) {
+      std::printf(", \"format_error\": \"%s\"}%s\n", json_escaped(r.format_error).c_str(), i + 1 < rows.size() ? "," : "");
+      continue;
+    }
     std::printf(", \"elements_per_token_layer\": %" PRIu64 ", \"elements_per_token\": %" PRIu64
                 ", \"bytes_per_token_layer\": %" PRIu64 ", \"bytes_per_token\": %" PRIu64
                 ", \"bytes_per_sequence\": %" PRIu64 ", \"bytes_per_batch\": %" PRIu64,
@@ -256,13 +305,13 @@ void print_json(const Options& o, const std::vector<Row>& rows) {
       const kvattn::CapacityPlan& p = *r.plan;
       std::printf(", \"tensor_parallel\": %d, \"kv_heads_per_rank\": %d, \"replication\": %d"
                   ", \"cache_bytes_per_rank\": %" PRIu64 ", \"bytes_per_token_per_rank\": %" PRIu64
-                  ", \"bytes_per_token_all_ranks\": %" PRIu64 ", \"page_size\": %d, \"tokens_fit\": %" PRIu64
-                  ", \"sequences_fit\": %" PRIu64,
+                  ", \"bytes_per_token_all_ranks\": %" PRIu64 ", \"page_size\": %d, \"bytes_per_page_per_rank\": %" PRIu64
+                  ", \"pages_fit\": %" PRIu64 ", \"tokens_fit\": %" PRIu64 ", \"sequences_fit\": %" PRIu64,
                   p.layout.ranks, p.layout.kv_heads_per_rank, p.layout.replication, p.cache_bytes_per_rank,
-                  p.bytes_per_token_per_rank, p.bytes_per_token_all_ranks, o.capacity->page_size, p.tokens,
-                  p.sequences);
+                  p.bytes_per_token_per_rank, p.bytes_per_token_all_ranks, o.capacity->page_size,
+                  p.bytes_per_page_per_rank, p.pages, p.tokens, p.sequences);
     } else if (!r.plan_error.empty()) {
-      std::printf(", \"capacity_error\": \"%s\"", r.plan_error.c_str());
+      std::printf(", \"capacity_error\": \"%s\"", json_escaped(r.plan_error).c_str());
     }
     std::printf("}%s\n", i + 1 < rows.size() ? "," : "");
   }
@@ -271,17 +320,22 @@ void print_json(const Options& o, const std::vector<Row>& rows) {
 
 void print_table(const Options& o, const std::vector<Row>& rows) {
   const kvattn::Model& own = rows.front().own ? rows.front().model : *o.model;
-  std::printf("%s: %s, %d layers, %d query heads, %s; %s tokens x %s sequence%s, %s bits per element\n\n",
+  std::printf("%s: %s, %d layers, %d query heads, %s; %s tokens x %s sequence%s, %s\n\n",
               std::string(own.name).c_str(), std::string(kvattn::to_string(o.model->design())).c_str(),
               own.layers, own.q_heads(), layout_text(*o.model).c_str(), with_commas(o.workload.context).c_str(),
-              with_commas(o.workload.batch).c_str(), o.workload.batch == 1 ? "" : "s",
-              o.workload.bits.to_string().c_str());
+              with_commas(o.workload.batch).c_str(), o.workload.batch == 1 ? "" : "s", width_text(o.workload).c_str());
   std::uint64_t own_bytes = 0;
   for (const Row& r : rows)
-    if (r.own) own_bytes = r.footprint.bytes_per_token;
+    if (r.own && r.format_error.empty()) own_bytes = r.footprint.bytes_per_token;
   std::printf("%-6s %-20s %12s  %-24s %-26s %-32s %-32s%s\n", "design", "cached per layer", "elem/tok/lay",
-              "per token per layer", "per token", "per sequence", "per batch", rows.size() > 1 ? " vs own" : "");
+              "per token per layer", "per token", "per sequence", "per batch", rows.size() > 1 && own_bytes ? " vs own" : "");
   for (const Row& r : rows) {
+    if (!r.format_error.empty()) {
+      std::printf("%-6s %-20s %12s  n/a: %s%s\n", std::string(kvattn::to_string(r.model.design())).c_str(),
+                  layout_text(r.model).c_str(), with_commas(r.footprint.elements_per_token_layer).c_str(),
+                  r.format_error.c_str(), r.own ? "  (own)" : "");
+      continue;
+    }
     const kvattn::Footprint& f = r.footprint;
     char ratio[32] = "";
     if (rows.size() > 1 && own_bytes) std::snprintf(ratio, sizeof ratio, " %7.2fx", static_cast<double>(f.bytes_per_token) / own_bytes);
@@ -299,7 +353,7 @@ void print_table(const Options& o, const std::vector<Row>& rows) {
   for (const Row& r : rows) {
     const char* design = kvattn::to_string(r.model.design()).data();
     if (!r.plan) {
-      std::printf("%-6s %s\n", design, r.plan_error.c_str());
+      std::printf("%-6s %s\n", design, r.format_error.empty() ? r.plan_error.c_str() : "n/a");
       continue;
     }
     const kvattn::CapacityPlan& p = *r.plan;
@@ -309,9 +363,10 @@ void print_table(const Options& o, const std::vector<Row>& rows) {
         : kvattn::detail::concat(p.layout.kv_heads_per_rank, " KV head", p.layout.kv_heads_per_rank == 1 ? "" : "s",
                                  " per rank, each held by ", p.layout.replication, " rank",
                                  p.layout.replication == 1 ? "" : "s");
-    std::printf("%-6s %s; %s per token per rank; %s tokens fit, %s sequences of %s\n", design, held.c_str(),
-                bytes_text(p.bytes_per_token_per_rank).c_str(),
-                with_commas(p.tokens).c_str(), with_commas(p.sequences).c_str(), with_commas(c.context).c_str());
+    std::printf("%-6s %s; %s per token per rank; %s per page per rank%s; %s tokens fit, %s sequences of %s\n", design,
+                held.c_str(), bytes_text(p.bytes_per_token_per_rank).c_str(), bytes_text(p.bytes_per_page_per_rank).c_str(),
+                c.format ? " (padding included)" : "", with_commas(p.tokens).c_str(), with_commas(p.sequences).c_str(),
+                with_commas(c.context).c_str());
   }
 }
 
@@ -323,7 +378,13 @@ int main(int argc, char** argv) {
     std::vector<kvattn::Model> models = o.compare ? kvattn::compare_designs(*o.model) : std::vector<kvattn::Model>{*o.model};
     std::vector<Row> rows;
     for (const kvattn::Model& m : models) {
-      Row r{m, kvattn::footprint(m, o.workload), std::nullopt, {}, m.design() == o.model->design()};
+      Row r{m, m.design() == o.model->design(), o.workload.format ? o.workload.format->check(m) : std::string{}, {}, std::nullopt, {}};
+      if (!r.format_error.empty()) {  // a design the format cannot hold: shown as n/a
+        r.footprint.elements_per_token_layer = kvattn::elements_per_token_layer(m.attention);
+        rows.push_back(r);
+        continue;
+      }
+      r.footprint = kvattn::footprint(m, o.workload);
       if (o.capacity) {
         try {
           r.plan = kvattn::plan_capacity(m, *o.capacity);
@@ -333,15 +394,19 @@ int main(int argc, char** argv) {
       }
       rows.push_back(r);
     }
+    // Without --compare the one row is the model; with it, at least one design must be held.
+    bool held = false;
+    for (const Row& r : rows) held = held || r.format_error.empty();
+    if (!held) fail(rows.front().format_error);
     if (o.json)
       print_json(o, rows);
     else
       print_table(o, rows);
     return 0;
   } catch (const BadInput& e) {
-    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.message.c_str(), kUsage);
+    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.message.c_str(), usage().c_str());
   } catch (const kvattn::invalid_argument& e) {
-    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.what(), kUsage);
+    std::fprintf(stderr, "kv_budget: %s\n\n%s", e.what(), usage().c_str());
   }
   return 2;
 }

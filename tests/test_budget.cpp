@@ -1,21 +1,26 @@
 // The KV-cache arithmetic: DESIGN.md's worked examples, the identities between designs,
-// linearity, sub-byte widths, and the capacity planner under tensor parallelism.
+// linearity, sub-byte widths, the cache's KV formats counted exactly (against real caches' page
+// layouts), and the capacity planner under tensor parallelism.
 #include <kvattn/budget.hpp>
+#include <kvattn/paged_cache.hpp>
 
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <random>
+#include <string>
 
 namespace {
 
 using kvattn::Design;
 using kvattn::ElementBits;
 using kvattn::GqaShape;
+using kvattn::KvFormat;
 using kvattn::MlaShape;
 using kvattn::Model;
 using kvattn::Workload;
 namespace presets = kvattn::presets;
+namespace kv_formats = kvattn::kv_formats;
 
 constexpr std::uint64_t KiB = 1024, MiB = KiB * 1024, GiB = MiB * 1024;
 
@@ -32,6 +37,16 @@ static_assert(dsv2.elements_per_token == 34560);
 static_assert(kvattn::elements_per_token_layer(kvattn::as_design(presets::deepseek_v2.model, Design::mha).attention) == 32768);
 // The planner is constexpr too.
 static_assert(kvattn::plan_capacity(presets::llama3_8b.model, {80 * GiB, 0, 4096, 16, 1, 16}).layout.kv_heads_per_rank == 8);
+// Formats: the table equals what format_traits says, and int8 counts its scales: Llama 3 8B
+// holds 2·8·(128 + 4)·32 = 67,584 bytes per token in int8, 2·8·128·2·32 = 131,072 in bf16.
+static_assert(KvFormat::of<kvattn::fp32>() == kv_formats::fp32);
+static_assert(KvFormat::of<kvattn::fp16>() == kv_formats::fp16);
+static_assert(KvFormat::of<kvattn::bf16>() == kv_formats::bf16);
+static_assert(KvFormat::of<kvattn::int8_row>() == kv_formats::int8);
+static_assert(KvFormat::of<kvattn::hadamard<kvattn::int8_row>>() == kv_formats::int8_hadamard);
+static_assert(KvFormat::kMaxRotatedDim == kvattn::kMaxRotatedDim);
+static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::int8}).bytes_per_token == 67584);
+static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::bf16}).bytes_per_token == 131072);
 
 TEST(Footprint, DesignWorkedExamples) {
   const auto f = kvattn::footprint(presets::llama2_7b.model, Workload{4096, 1, 16});
@@ -241,6 +256,204 @@ TEST(Capacity, RejectsWhatCannotBePlanned) {
   } catch (const kvattn::shape_error& e) {
     EXPECT_NE(std::string(e.what()).find("tensor_parallel=7 kv_heads=4"), std::string::npos) << e.what();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV formats
+
+TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
+  EXPECT_EQ(KvFormat::parse("fp32"), kv_formats::fp32);
+  EXPECT_EQ(KvFormat::parse("fp16"), kv_formats::fp16);
+  EXPECT_EQ(KvFormat::parse("bf16"), kv_formats::bf16);
+  EXPECT_EQ(KvFormat::parse("int8"), kv_formats::int8);
+  EXPECT_EQ(KvFormat::parse("int8_hadamard"), kv_formats::int8_hadamard);
+  EXPECT_NE(kv_formats::fp16, kv_formats::bf16);  // same width, another format
+  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard");
+  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8", "bf16 "}) {
+    SCOPED_TRACE(bad);
+    try {
+      KvFormat::parse(bad);
+      ADD_FAILURE() << "'" << bad << "' parsed";
+    } catch (const kvattn::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("'" + std::string(bad) + "'"), std::string::npos) << what;
+      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard"), std::string::npos) << what;
+    }
+  }
+  EXPECT_THROW(KvFormat("q4", 4), kvattn::invalid_argument);  // values are whole bytes
+  EXPECT_THROW(KvFormat("x", 8, -1), kvattn::invalid_argument);
+}
+
+TEST(Formats, ExactBytesPerTokenCountTheScales) {
+  const Model& m = presets::llama3_8b.model;  // 32 layers, 8 KV heads of 128
+  const auto int8 = kvattn::footprint(m, Workload{4096, 3, kv_formats::int8});
+  EXPECT_EQ(int8.elements_per_token_layer, 2048u);
+  EXPECT_EQ(int8.bytes_per_token_layer, 2u * 8 * (128 + 4));  // 2,112
+  EXPECT_EQ(int8.bytes_per_token, 67584u);
+  EXPECT_EQ(int8.bytes_per_sequence, 67584u * 4096);
+  EXPECT_EQ(int8.bytes_per_batch, 67584u * 4096 * 3);
+  EXPECT_EQ(kvattn::footprint(m, Workload{4096, 3, kv_formats::int8_hadamard}).bytes_per_batch, int8.bytes_per_batch);
+  // The plain formats equal the uniform width of their bits.
+  for (const KvFormat& f : {kv_formats::fp32, kv_formats::fp16, kv_formats::bf16}) {
+    const auto exact = kvattn::footprint(m, Workload{4096, 3, f});
+    const auto uniform = kvattn::footprint(m, Workload{4096, 3, static_cast<unsigned>(f.bits())});
+    EXPECT_EQ(exact.bytes_per_token_layer, uniform.bytes_per_token_layer) << f.name();
+    EXPECT_EQ(exact.bytes_per_batch, uniform.bytes_per_batch) << f.name();
+  }
+  EXPECT_EQ(kvattn::footprint(m, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 131072u);
+  // int8 is not a uniform 8 bits: 4 bytes of scale per row, 32 per token per layer here.
+  EXPECT_EQ(int8.bytes_per_token_layer - kvattn::footprint(m, Workload{1, 1, 8}).bytes_per_token_layer, 2u * 8 * 4);
+  // The scale's share depends on the head size: MQA of head_dim 7, 3 layers: 2·(7 + 4)·3.
+  EXPECT_EQ(kvattn::footprint(Model{"m", 3, GqaShape::mqa(5, 7)}, Workload{1, 1, kv_formats::int8}).bytes_per_token, 66u);
+  // A format's width is its value width.
+  EXPECT_EQ(Workload(1, 1, kv_formats::int8).bits, ElementBits(8));
+}
+
+TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
+  const Model& ds = presets::deepseek_v2.model;  // 576 elements per token per layer, 60 layers
+  EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 69120u);
+  EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::fp32}).bytes_per_token, 138240u);
+  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard}) {
+    SCOPED_TRACE(std::string(f.name()));
+    EXPECT_FALSE(f.holds(ds.attention));
+    try {
+      kvattn::footprint(ds, Workload{1, 1, f});
+      ADD_FAILURE() << "an MLA footprint in a format with scales";
+    } catch (const kvattn::invalid_argument& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("the " + std::string(f.name()) + " format"), std::string::npos) << what;
+      EXPECT_NE(what.find("model 'deepseek-v2' is MLA"), std::string::npos) << what;
+    }
+    kvattn::CapacityRequest r;
+    r.device_bytes = GiB;
+    r.format = f;
+    EXPECT_THROW(kvattn::plan_capacity(ds, r), kvattn::invalid_argument);
+  }
+  // Its MHA/GQA/MQA forms (head_dim = nope_dim = 128) are GQA-family caches: int8 holds them.
+  for (const Model& row : kvattn::compare_designs(ds)) {
+    EXPECT_EQ(kv_formats::int8.check(row).empty(), !row.is_mla()) << kvattn::to_string(row.design());
+    EXPECT_EQ(kv_formats::int8_hadamard.holds(row.attention), !row.is_mla());
+  }
+  // Each design's bytes come from its own shape: MHA 128 heads, MQA 1 head, of 128 + 4.
+  EXPECT_EQ(kvattn::footprint(kvattn::as_design(ds, Design::mha), Workload{1, 1, kv_formats::int8}).bytes_per_token_layer,
+            2u * 128 * 132);
+  EXPECT_EQ(kvattn::footprint(kvattn::as_design(ds, Design::mqa), Workload{1, 1, kv_formats::int8}).bytes_per_token_layer,
+            2u * 132);
+}
+
+TEST(Formats, HadamardNeedsAPowerOfTwoHeadDim) {
+  for (int d : {1, 2, 64, 128, 256, 1024}) {
+    const Model m{"m", 2, GqaShape::gqa(8, 2, d)};
+    EXPECT_TRUE(kv_formats::int8_hadamard.check(m).empty()) << d;
+    EXPECT_EQ(kvattn::footprint(m, Workload{1, 1, kv_formats::int8_hadamard}).bytes_per_token_layer,
+              2u * 2 * (static_cast<unsigned>(d) + 4));
+  }
+  for (int d : {3, 96, 100, 192, 2048}) {
+    SCOPED_TRACE(d);
+    const Model m{"odd", 2, GqaShape::gqa(8, 2, d)};
+    EXPECT_TRUE(kv_formats::int8.check(m).empty());  // without rotation any head size does
+    const std::string why = kv_formats::int8_hadamard.check(m);
+    EXPECT_NE(why.find("head_dim=" + std::to_string(d)), std::string::npos) << why;
+    EXPECT_NE(why.find("model 'odd'"), std::string::npos) << why;
+    EXPECT_THROW(kvattn::footprint(m, Workload{1, 1, kv_formats::int8_hadamard}), kvattn::invalid_argument);
+    // The real cache says the same.
+    EXPECT_THROW((kvattn::PagedKvCache<kvattn::hadamard<kvattn::int8_row>>(kvattn::CacheConfig{2, 1, 1, m.attention})),
+                 kvattn::invalid_argument);
+  }
+}
+
+TEST(Formats, OverflowIsAnErrorNotAWrappedNumber) {
+  const Workload huge{std::uint64_t{1} << 40, std::uint64_t{1} << 20, kv_formats::int8};
+  EXPECT_THROW(kvattn::footprint(presets::llama31_405b.model, huge), kvattn::invalid_argument);
+}
+
+/// A request of `format` on 1 MiB devices (the pages then fit in a test's memory).
+kvattn::CapacityRequest format_request(const KvFormat& format, int page, int tp = 1) {
+  kvattn::CapacityRequest r;
+  r.device_bytes = MiB;
+  r.context = 10;
+  r.page_size = page;
+  r.tensor_parallel = tp;
+  r.format = format;
+  return r;
+}
+
+TEST(Formats, PagesArePaddedAsThePageLayoutPadsThem) {
+  // 3 KV heads of 24, pages of 3 tokens, int8: a head block holds 72 bytes, padded to 128; six
+  // of them and a scale block of 2·3·3·4 = 72 bytes, padded to 128: 896 bytes per layer, against
+  // 3 · 2·3·(24 + 4) = 504 bytes of tokens.
+  const Model m{"m", 5, GqaShape::gqa(12, 3, 24)};
+  const auto p = kvattn::plan_capacity(m, format_request(kv_formats::int8, 3));
+  EXPECT_EQ(p.bytes_per_token_per_rank, 5u * 168);
+  EXPECT_EQ(p.bytes_per_page_per_rank, 5u * 896);
+  EXPECT_EQ(p.pages, MiB / (5 * 896));
+  EXPECT_EQ(p.tokens, 3 * p.pages);
+  EXPECT_EQ(p.sequences, p.pages / 4);  // 10 tokens: 4 pages of 3
+  // A uniform 8 bits counts neither the scales nor the padding.
+  auto eight = format_request(kv_formats::int8, 3);
+  eight.format.reset();
+  eight.bits = 8;
+  EXPECT_EQ(kvattn::plan_capacity(m, eight).bytes_per_page_per_rank, 5u * 3 * 144);
+  // An MLA page of bf16: 3 rows of (10 + 2) · 2 bytes, 72 bytes, padded to 128.
+  const Model mla{"mla", 2, MlaShape{4, 10, 2, 8, 8, 0}};
+  EXPECT_EQ(kvattn::plan_capacity(mla, format_request(kv_formats::bf16, 3)).bytes_per_page_per_rank, 2u * 128);
+  EXPECT_EQ(kvattn::plan_capacity(mla, format_request(kv_formats::bf16, 3)).bytes_per_token_per_rank, 2u * 24);
+}
+
+/// plan_capacity's page bytes and pages against a real cache of `F` holding `model`'s share of
+/// one rank: its PageLayout, its pool, and that one page more would not fit.
+template <class F> void expect_pages_match_a_real_cache(const Model& model, int page, int tp) {
+  SCOPED_TRACE(::testing::Message() << model.name << " " << KvFormat::of<F>().name() << " page_size=" << page << " tp=" << tp);
+  const auto p = kvattn::plan_capacity(model, format_request(KvFormat::of<F>(), page, tp));
+  const kvattn::AttentionShape rank_shape =
+      model.is_mla() ? kvattn::AttentionShape{model.mla()}
+                     : kvattn::AttentionShape{GqaShape::gqa(model.q_heads() / tp, p.layout.kv_heads_per_rank, model.gqa().head_dim)};
+  ASSERT_GT(p.pages, 0u);
+  kvattn::PagedKvCache<F> cache(kvattn::CacheConfig{model.layers, page, static_cast<std::int64_t>(p.pages), rank_shape});
+  const kvattn::PageLayout& layout = cache.layout();
+  EXPECT_EQ(p.bytes_per_page_per_rank, static_cast<std::uint64_t>(layout.page_stride * layout.unit_bytes * model.layers));
+  EXPECT_EQ(p.bytes_per_page_per_rank, static_cast<std::uint64_t>(cache.stats().bytes_per_page));
+  EXPECT_EQ(p.bytes_per_token_per_rank, static_cast<std::uint64_t>(layout.token_bytes() * model.layers));
+  EXPECT_LE(static_cast<std::uint64_t>(cache.stats().bytes_pool), p.cache_bytes_per_rank);
+  EXPECT_GT(static_cast<std::uint64_t>(cache.stats().bytes_pool + cache.stats().bytes_per_page), p.cache_bytes_per_rank);
+  EXPECT_EQ(p.tokens, p.pages * static_cast<std::uint64_t>(page));
+}
+
+TEST(Formats, PagesAreWhatARealCacheHolds) {
+  const Model llama{"llama-like", 4, GqaShape::gqa(32, 8, 128)};
+  const Model odd{"odd", 3, GqaShape::gqa(12, 3, 24)};
+  const Model mla{"mla", 2, MlaShape{4, 10, 2, 8, 8, 0}};
+  for (int page : {1, 3, 7, 16, 17}) {
+    for (int tp : {1, 2, 16}) {
+      expect_pages_match_a_real_cache<kvattn::int8_row>(llama, page, tp);
+      expect_pages_match_a_real_cache<kvattn::hadamard<kvattn::int8_row>>(llama, page, tp);
+      expect_pages_match_a_real_cache<kvattn::bf16>(llama, page, tp);
+      expect_pages_match_a_real_cache<kvattn::fp32>(llama, page, tp);
+    }
+    expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 1);
+    expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 3);
+    expect_pages_match_a_real_cache<kvattn::fp16>(odd, page, 1);
+    expect_pages_match_a_real_cache<kvattn::bf16>(mla, page, 1);
+    expect_pages_match_a_real_cache<kvattn::fp32>(mla, page, 2);
+  }
+}
+
+TEST(Formats, Llama3CapacityInInt8) {
+  // Llama 3 8B, int8, pages of 16 tokens: head blocks of 16·128 = 2,048 bytes (whole lines), a
+  // scale block of 2·8·16·4 = 1,024 bytes: 33,792 bytes per page per layer, 32 layers.
+  auto r = request(1, 16 * GiB, 16);
+  r.format = kv_formats::int8;
+  const auto p = kvattn::plan_capacity(presets::llama3_8b.model, r);
+  EXPECT_EQ(p.bytes_per_token_per_rank, 67584u);
+  EXPECT_EQ(p.bytes_per_page_per_rank, 33792u * 32);
+  EXPECT_EQ(p.pages, 64 * GiB / (33792u * 32));
+  EXPECT_EQ(p.tokens, 16 * p.pages);
+  // With 4 ranks each holds 2 KV heads: a quarter of the bytes.
+  r.tensor_parallel = 4;
+  const auto p4 = kvattn::plan_capacity(presets::llama3_8b.model, r);
+  EXPECT_EQ(p4.bytes_per_token_per_rank, 67584u / 4);
+  EXPECT_EQ(p4.bytes_per_page_per_rank, 33792u * 32 / 4);
+  EXPECT_EQ(p4.bytes_per_token_all_ranks, 67584u);
 }
 
 }  // namespace

@@ -252,8 +252,10 @@ RealisticInputs realistic(const GqaShape& s, std::int64_t L, unsigned seed) {
 }
 
 /// Σ (out − ref)² / Σ ref² of one decode step on a cache of format T holding `in`, against the
-/// double reference on the fp32 inputs.
-template <class T> double decode_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in) {
+/// double reference on the fp32 inputs; int8_queries, u8_probabilities: DecodeParams'.
+template <class T>
+double decode_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in, bool int8_queries = false,
+                   bool u8_probabilities = false) {
   kvattn::PagedKvCache<T> cache(CacheConfig{1, 16, (L + 15) / 16, s});
   kvattn::PagedKvCache<float> exact(CacheConfig{1, 16, (L + 15) / 16, s});
   const auto seq = cache.add_sequence(), eseq = exact.add_sequence();
@@ -263,7 +265,10 @@ template <class T> double decode_nmse(const GqaShape& s, std::int64_t L, const R
   exact.write(eseq, 0, 0, L, in.k.data(), in.v.data());
   const kvattn::BatchPageTable table = cache.page_table({seq});
   kvattn::DecodePlan plan;
-  plan.make(cache.view(table, 0), s, kvattn::DecodeParams{}, kvattn::SerialFor{});
+  kvattn::DecodeParams params;
+  params.int8_queries = int8_queries;
+  params.u8_probabilities = u8_probabilities;
+  plan.make(cache.view(table, 0), s, params, kvattn::SerialFor{});
   std::vector<float> out(in.q.size());
   kvattn::decode(cache.view(table, 0), in.q.data(), out.data(), nullptr, plan);
   std::vector<double> ref, ref_lse;
@@ -279,13 +284,22 @@ template <class T> double decode_nmse(const GqaShape& s, std::int64_t L, const R
 TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   // For comparison: ggml bounds every format's flash attention at NMSE <= 5e-4 in its own test.
   const GqaShape shape = GqaShape::gqa(32, 8, 128);
-  double worst_int8 = 0, worst_rotated = 0, worst_bf16 = 0;
+  double worst_int8 = 0, worst_rotated = 0, worst_bf16 = 0, worst_int8_q = 0, worst_rotated_q = 0, worst_rotated_qp = 0;
   for (std::int64_t L : {256, 2048}) {
     const RealisticInputs in = realistic(shape, L, static_cast<unsigned>(L));
     const double bf16 = decode_nmse<kvattn::bf16>(shape, L, in), fp16 = decode_nmse<kvattn::fp16>(shape, L, in);
     const double int8 = decode_nmse<int8_row>(shape, L, in), rotated = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in);
-    std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e\n",
-                static_cast<long long>(L), bf16, fp16, int8, rotated);
+    const double int8_q = decode_nmse<int8_row>(shape, L, in, true);
+    const double rotated_q = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true);
+    const double int8_qp = decode_nmse<int8_row>(shape, L, in, true, true);
+    const double rotated_qp = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true, true);
+    std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e; "
+                "int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: int8 %.2e, int8_hadamard %.2e\n",
+                static_cast<long long>(L), bf16, fp16, int8, rotated, int8_q, rotated_q, int8_qp, rotated_qp);
+    worst_rotated_qp = std::max(worst_rotated_qp, rotated_qp);
+    worst_int8_q = std::max(worst_int8_q, int8_qp);
+    worst_int8_q = std::max(worst_int8_q, int8_q);
+    worst_rotated_q = std::max(worst_rotated_q, rotated_q);
     worst_int8 = std::max(worst_int8, int8);
     worst_rotated = std::max(worst_rotated, rotated);
     worst_bf16 = std::max(worst_bf16, bf16);
@@ -297,6 +311,12 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   EXPECT_LT(worst_int8, 6e-2);
   EXPECT_LT(worst_rotated, 1e-3);
   EXPECT_LT(worst_rotated, worst_int8 / 20);  // what the rotation buys on such keys
+  // int8 queries (DecodeParams::int8_queries) add the query's rounding: about twice the rotated
+  // format's error, nothing visible beside int8's own.
+  EXPECT_LT(worst_int8_q, 6e-2);
+  EXPECT_LT(worst_rotated_q, 2e-3);
+  // 8-bit probabilities too (DecodeParams::u8_probabilities) add almost nothing (9.8e-4).
+  EXPECT_LT(worst_rotated_qp, 2e-3);
 }
 
 }  // namespace

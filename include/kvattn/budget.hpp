@@ -3,24 +3,34 @@
 // Elements cached per token per layer (DESIGN.md):
 //   MHA, GQA, MQA   2 · kv_heads · head_dim        (a key and a value per KV head)
 //   MLA             latent_dim + rope_dim          (one latent and one rotary key, all heads)
-// Bytes multiply by bits per element / 8, a sequence by layers and tokens, a batch by its
-// sequences. Element widths may be fractional (4.5 bits: 4-bit values plus a scale per 32);
-// byte counts of widths that do not fill whole bytes round up once, at the level asked for
-// (the cache as one packed stream), never per element.
+// Bytes are counted one of two ways:
+//  - a uniform width (ElementBits): bytes multiply by bits per element / 8, a sequence by layers
+//    and tokens, a batch by its sequences. Widths may be fractional (4.5 bits: 4-bit values plus
+//    a scale per 32), for formats the cache does not have; byte counts of widths that do not
+//    fill whole bytes round up once, at the level asked for (the cache as one packed stream),
+//    never per element;
+//  - a KV format of the cache (KvFormat: fp32, fp16, bf16, int8, int8_hadamard; format.hpp),
+//    exactly: its values plus one scale per row for the 8-bit formats,
+//      MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
+//      MLA             (latent_dim + rope_dim) · bits / 8   (formats without scales only)
+//    and, for the capacity plan, pages counted as PageLayout lays them out, padding included.
 //
 // Everything but parsing and the design comparison is constexpr: a configuration can be
 // checked by static_assert. Integer arithmetic is exact and checked: a count that does not fit
 // in 64 bits is an error, never a wrapped number.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "error.hpp"
+#include "memory.hpp"
 #include "model.hpp"
 #include "shape.hpp"
 
@@ -31,6 +41,11 @@ constexpr std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b) {
   if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a)
     raise<invalid_argument>(concat("size overflow: ", a, " * ", b, " does not fit in 64 bits"));
   return a * b;
+}
+constexpr std::uint64_t checked_add(std::uint64_t a, std::uint64_t b) {
+  if (b > std::numeric_limits<std::uint64_t>::max() - a)
+    raise<invalid_argument>(concat("size overflow: ", a, " + ", b, " does not fit in 64 bits"));
+  return a + b;
 }
 constexpr std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) noexcept { return a / b + (a % b != 0); }
 }  // namespace detail
@@ -105,6 +120,144 @@ class ElementBits {
 };
 
 // ---------------------------------------------------------------------------------------------
+// KV formats: what a cache of each element type (format.hpp) holds, to the byte.
+
+template <class F> struct format_traits;  // format.hpp: name, bits, row_scale, rotated
+
+/// A KV format as the arithmetic sees it: `bits` per value (whole bytes: 8, 16, 32 or 64),
+/// `scale_bytes` per row (a row: one token's head_dim values of one KV head; 0: no scale), and
+/// whether rows are rotated (head_dim then a power of two up to kMaxRotatedDim). The shipped
+/// formats are kv_formats::fp32, fp16, bf16, int8 and int8_hadamard; KvFormat::of<F>() reads
+/// format_traits<F> (format.hpp must then be included), KvFormat::parse finds one by name.
+///
+/// A format with a scale per row, or a rotated one, holds GQA-family caches only (its scales and
+/// its rotation are per KV head): a cache of it cannot hold an MLA model (holds(), check()).
+class KvFormat {
+ public:
+  /// The largest head_dim of a rotated format (format.hpp's kMaxRotatedDim, which it equals).
+  static constexpr int kMaxRotatedDim = 1024;
+
+  constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false)
+      : name_(name), bits_(bits), scale_bytes_(scale_bytes), rotated_(rotated) {
+    if (bits != 8 && bits != 16 && bits != 32 && bits != 64)
+      raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits, ": a value must be 1, 2, 4 or 8 whole bytes"));
+    if (scale_bytes < 0)
+      raise<invalid_argument>(detail::concat("format '", name, "': scale_bytes=", scale_bytes, ": must not be negative"));
+  }
+
+  /// The format of the cache element type F: format_traits<F>'s name, bits, scale (one fp32 per
+  /// row where row_scale) and rotation.
+  template <class F> static constexpr KvFormat of() {
+    using T = format_traits<F>;
+    static_assert(sizeof(typename T::unit) * 8 == T::bits, "kvattn::KvFormat: a format's unit must be one value");
+    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated);
+  }
+
+  /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8" or "int8_hadamard".
+  /// Throws kvattn::invalid_argument naming `name` and the valid names otherwise.
+  static KvFormat parse(std::string_view name);
+  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard".
+  static std::string names();
+
+  constexpr std::string_view name() const noexcept { return name_; }
+  constexpr int bits() const noexcept { return bits_; }                ///< per value, scales excluded
+  constexpr int value_bytes() const noexcept { return bits_ / 8; }     ///< one value: a page's unit
+  constexpr int scale_bytes() const noexcept { return scale_bytes_; }  ///< per row; 0: none
+  constexpr bool row_scale() const noexcept { return scale_bytes_ != 0; }
+  constexpr bool rotated() const noexcept { return rotated_; }
+
+  /// Whether a cache of this format can hold a layer of `shape`: a GQA-family shape (of a
+  /// power-of-two head_dim up to kMaxRotatedDim when rotated), or an MLA shape when the format
+  /// has neither scales nor rotation.
+  constexpr bool holds(const AttentionShape& shape) const noexcept {
+    if (const auto* g = std::get_if<GqaShape>(&shape))
+      return !rotated_ || (g->head_dim > 0 && g->head_dim <= kMaxRotatedDim && (g->head_dim & (g->head_dim - 1)) == 0);
+    return !row_scale() && !rotated_;
+  }
+  /// Why a cache of this format cannot hold `model`, naming both; "" when it can.
+  std::string check(const Model& model) const {
+    if (holds(model.attention)) return {};
+    if (model.is_mla())
+      return detail::concat("the ", name_, " format (", row_scale() ? "a scale per row" : "rotated rows",
+                            " of a KV head) holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
+    return detail::concat("the ", name_, " format rotates rows of head_dim=", model.gqa().head_dim, " (model '", model.name,
+                          "'): head_dim must be a power of two up to ", kMaxRotatedDim);
+  }
+  /// Throws kvattn::invalid_argument with check()'s message when the format cannot hold `model`.
+  constexpr void require(const Model& model) const {
+    if (!holds(model.attention)) raise<invalid_argument>(check(model));
+  }
+
+  /// Bytes one token holds in one layer of `shape`: its values and its rows' scales, no padding
+  /// (PageLayout::token_bytes). `shape` must be one the format holds.
+  ///   MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
+  ///   MLA             (latent_dim + rope_dim) · bits / 8
+  constexpr std::uint64_t bytes_per_token_layer(const AttentionShape& shape) const {
+    if (const auto* g = std::get_if<GqaShape>(&shape))
+      return detail::checked_mul(2 * static_cast<std::uint64_t>(g->kv_heads),
+                                 detail::checked_add(detail::checked_mul(static_cast<std::uint64_t>(g->head_dim), unit()),
+                                                     static_cast<std::uint64_t>(scale_bytes_)));
+    return detail::checked_mul(elements_per_layer(std::get<MlaShape>(shape)), unit());
+  }
+  /// Bytes of one page of `page_size` tokens of one layer of `shape`, as PageLayout lays it out,
+  /// padding included: a GQA page is 2 · kv_heads head blocks of page_size · head_dim values,
+  /// each rounded up to a whole cache line (kAlignment, 64 bytes), then, with scales, a scale
+  /// block of 2 · kv_heads · page_size scales rounded up the same way; an MLA page is
+  /// page_size rows of latent_dim + rope_dim values, rounded up once.
+  constexpr std::uint64_t page_bytes(const AttentionShape& shape, int page_size) const {
+    const auto tokens = static_cast<std::uint64_t>(page_size);
+    if (const auto* g = std::get_if<GqaShape>(&shape)) {
+      const std::uint64_t blocks = 2 * static_cast<std::uint64_t>(g->kv_heads);
+      const std::uint64_t head_block = whole_lines(detail::checked_mul(detail::checked_mul(tokens, static_cast<std::uint64_t>(g->head_dim)), unit()));
+      const std::uint64_t scales = whole_lines(detail::checked_mul(detail::checked_mul(blocks, tokens), static_cast<std::uint64_t>(scale_bytes_)));
+      return detail::checked_add(detail::checked_mul(blocks, head_block), scales);
+    }
+    return whole_lines(detail::checked_mul(detail::checked_mul(tokens, elements_per_layer(std::get<MlaShape>(shape))), unit()));
+  }
+
+  friend constexpr bool operator==(const KvFormat& a, const KvFormat& b) noexcept {
+    return a.name_ == b.name_ && a.bits_ == b.bits_ && a.scale_bytes_ == b.scale_bytes_ && a.rotated_ == b.rotated_;
+  }
+  friend constexpr bool operator!=(const KvFormat& a, const KvFormat& b) noexcept { return !(a == b); }
+
+ private:
+  constexpr std::uint64_t unit() const noexcept { return static_cast<std::uint64_t>(value_bytes()); }
+  static constexpr std::uint64_t elements_per_layer(const MlaShape& m) noexcept {
+    return static_cast<std::uint64_t>(m.latent_dim) + static_cast<std::uint64_t>(m.rope_dim);
+  }
+  static constexpr std::uint64_t whole_lines(std::uint64_t bytes) {
+    return detail::checked_mul(detail::ceil_div(bytes, kAlignment), kAlignment);
+  }
+
+  std::string_view name_;
+  int bits_;
+  int scale_bytes_;
+  bool rotated_;
+};
+
+/// The shipped formats (format.hpp), as KvFormat::of<F>() gives them.
+namespace kv_formats {
+inline constexpr KvFormat fp32{"fp32", 32};
+inline constexpr KvFormat fp16{"fp16", 16};
+inline constexpr KvFormat bf16{"bf16", 16};
+inline constexpr KvFormat int8{"int8", 8, 4};                   ///< int8_row: one fp32 scale per row
+inline constexpr KvFormat int8_hadamard{"int8_hadamard", 8, 4, true};  ///< hadamard<int8_row>
+inline constexpr std::array<KvFormat, 5> all{fp32, fp16, bf16, int8, int8_hadamard};
+}  // namespace kv_formats
+
+inline std::string KvFormat::names() {
+  std::string list;
+  for (const KvFormat& f : kv_formats::all) list += (list.empty() ? "" : ", ") + std::string(f.name());
+  return list;
+}
+
+inline KvFormat KvFormat::parse(std::string_view name) {
+  for (const KvFormat& f : kv_formats::all)
+    if (f.name() == name) return f;
+  raise<invalid_argument>("no KV format called '" + std::string(name) + "': expected one of " + names());
+}
+
+// ---------------------------------------------------------------------------------------------
 // Footprint: elements and bytes per token per layer, per token, per sequence, per batch.
 
 constexpr std::uint64_t elements_per_token_layer(const GqaShape& s) noexcept {
@@ -118,11 +271,21 @@ constexpr std::uint64_t elements_per_token_layer(const AttentionShape& a) noexce
                                              : elements_per_token_layer(std::get<GqaShape>(a));
 }
 
-/// What a cache holds for `batch` sequences of `context` tokens each.
+/// What a cache holds for `batch` sequences of `context` tokens each, at a uniform width
+/// (Workload{T, B, 16}, Workload{T, B, ElementBits(9, 2)}) or in a KV format of the cache
+/// (Workload{T, B, kv_formats::int8}): the format's values and scales, exactly.
 struct Workload {
-  std::uint64_t context = 4096;  ///< tokens per sequence, T
-  std::uint64_t batch = 1;       ///< sequences, B
-  ElementBits bits = 16;         ///< bits per cached element
+  std::uint64_t context = 4096;                   ///< tokens per sequence, T
+  std::uint64_t batch = 1;                        ///< sequences, B
+  ElementBits bits = 16;                          ///< bits per cached element; with a format, its value width
+  std::optional<KvFormat> format = std::nullopt;  ///< when set, the bytes are the format's; `bits` is not read
+
+  constexpr Workload() = default;
+  explicit constexpr Workload(std::uint64_t tokens) : context(tokens) {}
+  constexpr Workload(std::uint64_t tokens, std::uint64_t sequences, ElementBits width = 16)
+      : context(tokens), batch(sequences), bits(width) {}
+  constexpr Workload(std::uint64_t tokens, std::uint64_t sequences, const KvFormat& kv_format)
+      : context(tokens), batch(sequences), bits(static_cast<unsigned>(kv_format.bits())), format(kv_format) {}
 };
 
 struct Footprint {
@@ -134,11 +297,22 @@ struct Footprint {
   std::uint64_t bytes_per_batch = 0;     ///< all layers, T tokens, B sequences
 };
 
+/// The cache of `model` for `w`. With a format, the model must be one the format holds
+/// (KvFormat::require: kvattn::invalid_argument naming both otherwise), and every byte count is
+/// exact: values and scales, padding excluded.
 constexpr Footprint footprint(const Model& model, const Workload& w) {
   if (!model.valid()) raise<shape_error>("footprint of an invalid model: " + model.check());
   Footprint f;
   f.elements_per_token_layer = elements_per_token_layer(model.attention);
   f.elements_per_token = detail::checked_mul(f.elements_per_token_layer, static_cast<std::uint64_t>(model.layers));
+  if (w.format) {
+    w.format->require(model);
+    f.bytes_per_token_layer = w.format->bytes_per_token_layer(model.attention);
+    f.bytes_per_token = detail::checked_mul(f.bytes_per_token_layer, static_cast<std::uint64_t>(model.layers));
+    f.bytes_per_sequence = detail::checked_mul(f.bytes_per_token, w.context);
+    f.bytes_per_batch = detail::checked_mul(f.bytes_per_sequence, w.batch);
+    return f;
+  }
   const std::uint64_t sequence = detail::checked_mul(f.elements_per_token, w.context);
   f.bytes_per_token_layer = w.bits.bytes_for(f.elements_per_token_layer);
   f.bytes_per_token = w.bits.bytes_for(f.elements_per_token);
@@ -244,15 +418,20 @@ struct CapacityRequest {
   ElementBits bits = 16;
   int tensor_parallel = 1;
   int page_size = 1;               ///< tokens per page; a sequence holds whole pages
+  /// When set, the bytes are this format's (and `bits` is not read), and a page is counted as
+  /// PageLayout lays it out for each rank's share, padding included, so that `pages` is what a
+  /// PagedKvCache of the format holds in cache_bytes_per_rank. Without it, a page is its tokens'
+  /// bytes at `bits`, unpadded.
+  std::optional<KvFormat> format = std::nullopt;
 };
 
 struct CapacityPlan {
   ShardLayout layout;
   std::uint64_t weight_bytes_per_rank = 0;
   std::uint64_t cache_bytes_per_rank = 0;       ///< device − weights
-  std::uint64_t bytes_per_token_per_rank = 0;   ///< all layers
+  std::uint64_t bytes_per_token_per_rank = 0;   ///< all layers, padding excluded
   std::uint64_t bytes_per_token_all_ranks = 0;  ///< what the whole group spends per token
-  std::uint64_t bytes_per_page_per_rank = 0;
+  std::uint64_t bytes_per_page_per_rank = 0;    ///< all layers; with a format, padding included
   std::uint64_t pages = 0;      ///< pages that fit on each rank
   std::uint64_t tokens = 0;     ///< tokens that fit (each rank holds its share of every token)
   std::uint64_t sequences = 0;  ///< sequences of `context` tokens that fit
@@ -270,11 +449,21 @@ constexpr CapacityPlan plan_capacity(const Model& model, const CapacityRequest& 
                                          p.weight_bytes_per_rank, " per rank) leave nothing of ",
                                          r.device_bytes, " device bytes for the cache"));
   p.cache_bytes_per_rank = r.device_bytes - p.weight_bytes_per_rank;
-  const std::uint64_t per_token =
-      detail::checked_mul(p.layout.elements_per_token_layer_per_rank, static_cast<std::uint64_t>(model.layers));
-  p.bytes_per_token_per_rank = r.bits.bytes_for(per_token);
+  const auto layers = static_cast<std::uint64_t>(model.layers);
+  if (r.format) {
+    r.format->require(model);
+    // One rank's cache: its KV heads (GQA family) or the whole latent (MLA).
+    const AttentionShape rank_shape =
+        model.is_mla() ? AttentionShape{model.mla()}
+                       : AttentionShape{GqaShape{model.q_heads() / r.tensor_parallel, p.layout.kv_heads_per_rank, model.gqa().head_dim}};
+    p.bytes_per_token_per_rank = detail::checked_mul(r.format->bytes_per_token_layer(rank_shape), layers);
+    p.bytes_per_page_per_rank = detail::checked_mul(r.format->page_bytes(rank_shape, r.page_size), layers);
+  } else {
+    const std::uint64_t per_token = detail::checked_mul(p.layout.elements_per_token_layer_per_rank, layers);
+    p.bytes_per_token_per_rank = r.bits.bytes_for(per_token);
+    p.bytes_per_page_per_rank = r.bits.bytes_for(detail::checked_mul(per_token, static_cast<std::uint64_t>(r.page_size)));
+  }
   p.bytes_per_token_all_ranks = detail::checked_mul(p.bytes_per_token_per_rank, ranks);
-  p.bytes_per_page_per_rank = r.bits.bytes_for(detail::checked_mul(per_token, static_cast<std::uint64_t>(r.page_size)));
   p.pages = p.cache_bytes_per_rank / p.bytes_per_page_per_rank;
   p.tokens = p.pages * static_cast<std::uint64_t>(r.page_size);
   p.sequences = p.pages / detail::ceil_div(r.context, static_cast<std::uint64_t>(r.page_size));

@@ -45,6 +45,19 @@ struct DecodeParams {
   int queries_per_seq = 1;        ///< Q: new tokens per sequence, the last Q of its cache
   float scale = 0.0f;             ///< softmax scale; 0: 1 / sqrt(head_dim) (MLA: 1 / sqrt(nope_dim + rope_dim))
   std::int64_t chunk_tokens = 0;  ///< split-KV chunk length; 0: chosen from the work and the threads
+  /// GQA-family decode over an int8 format (int8_row, hadamard<int8_row>) only: each query row
+  /// is quantized to int8 like a key row (one scale, max |q| / 127, after the rotation of a
+  /// rotated format) and scored with integer dot products, exact in 32 bits, times the two
+  /// scales: AVX-512 VNNI, AVX-VNNI and NEON's dot product compute them, other instruction sets
+  /// the same sums with fp32 multiply-adds. false: the query stays fp32.
+  bool int8_queries = false;
+  /// With int8_queries only (it needs them): the probabilities of each query row times the
+  /// values' scales, in tiles of 32 keys, are rounded to 8 bits relative to the tile's largest
+  /// (p8 = round(255 · p / max p), unsigned) and multiplied with the int8 values by integer dot
+  /// products, exact in 32 bits, times max p / 255: AVX-512 VNNI computes them for head sizes
+  /// 64, 128 and 256, every other case the same products with fp32 multiply-adds. false: fp32.
+  /// With both, no fp32 multiply-add per key is left.
+  bool u8_probabilities = false;
 };
 
 /// The softmax scale of a call: `scale`, or 1 / sqrt(qk_dim) when it is 0.
@@ -164,10 +177,16 @@ namespace decode_layout {
 inline constexpr int kGqaSpan = 64;
 /// Floats of one row of a GQA-family item's partial result: the output [dim] and {m, d}.
 constexpr std::int64_t partial_row_floats(int dim) { return detail::whole_lines(std::int64_t{dim} + 2); }
+/// Floats of one row of a GQA-family item's int8 queries (DecodeParams::int8_queries): the row's
+/// bytes, zero-padded to whole cache lines, then {scale, offset}, whole cache lines.
+constexpr std::int64_t int8_query_row_floats(int dim) {
+  return detail::whole_lines((std::int64_t{dim} + 3) / 4) + detail::kLineFloats;
+}
 /// A GQA-family item: the partial outputs [kv_heads][rows][partial_row_floats], then its queries
-/// [kv_heads][rows][dim].
-constexpr std::int64_t gqa_item_floats(const GqaShape& s, int rows) {
-  return detail::whole_lines(std::int64_t{s.kv_heads} * rows * (partial_row_floats(s.head_dim) + s.head_dim));
+/// [kv_heads][rows][dim], then with int8 queries those [kv_heads][rows][int8_query_row_floats].
+constexpr std::int64_t gqa_item_floats(const GqaShape& s, int rows, bool int8_queries = false) {
+  const std::int64_t row = partial_row_floats(s.head_dim) + s.head_dim + (int8_queries ? int8_query_row_floats(s.head_dim) : 0);
+  return detail::whole_lines(std::int64_t{s.kv_heads} * rows * row);
 }
 
 /// An MLA item: every row of one sequence (Q · heads), scored against tiles of kMlaTile tokens.
@@ -219,10 +238,12 @@ class DecodePlan {
   /// threads_of). Throws kvattn::shape_error or invalid_argument on inconsistent arguments.
   template <class T> void make(const PagedKvView<T>& kv, const GqaShape& shape, const DecodeParams& p, int threads) {
     const int rows = prepare("DecodePlan::make", shape, kv.layout, p, threads);
+    check_int8_math<T>("DecodePlan::make", p);
     // About 8 items per thread where the batch alone gives fewer: a thread that starts late (woken
     // by the parallel-for) then costs the others less than one item's time. Chunks are whole
     // spans (decode_layout::kGqaSpan), so they start where pages do, and at least 256 tokens long.
-    split(kv, p.chunk_tokens, SplitRule{8 * std::int64_t{threads}, decode_layout::kGqaSpan, 256}, decode_layout::gqa_item_floats(shape, rows));
+    split(kv, p.chunk_tokens, SplitRule{8 * std::int64_t{threads}, decode_layout::kGqaSpan, 256},
+          decode_layout::gqa_item_floats(shape, rows, p.int8_queries));
   }
   /// The plan of mla_decode() (kvattn/mla_decode.hpp) for `kv`'s batch.
   template <class T> void make(const PagedKvView<T>& kv, const MlaShape& shape, const DecodeParams& p, int threads) {
@@ -254,6 +275,11 @@ class DecodePlan {
     shape.validate();
     detail::check_layout(op, shape, layout);
     check_params(op, p, threads, "1/sqrt(nope_dim + rope_dim)");
+    if (p.int8_queries || p.u8_probabilities)
+      raise<invalid_argument>(detail::concat(op, ": int8_queries=", p.int8_queries ? "true" : "false",
+                                             " u8_probabilities=", p.u8_probabilities ? "true" : "false",
+                                             ": MLA decode has no 8-bit arithmetic (it is for GQA-family decode over an "
+                                             "int8 format)"));
     const int rows = detail::item_rows(op, shape.heads, "heads", p.queries_per_seq);
     set(shape, p, threads, softmax_scale(p.scale, shape.qk_head_dim()));
     return rows;
@@ -362,6 +388,19 @@ class DecodePlan {
   std::size_t bytes() const noexcept {
     return items_.capacity() * sizeof(Item) + (first_item_.capacity() + lengths_.capacity() + q_indptr_.capacity()) * sizeof(std::int64_t) +
            scratch_.capacity() * sizeof(float);
+  }
+
+  /// int8_queries and u8_probabilities need a cache of an int8 format, and u8_probabilities needs
+  /// int8_queries (DecodeParams): throws invalid_argument naming `op` and the values otherwise.
+  /// make() checks it, decode() again, and so do the CUDA plans.
+  template <class T> static void check_int8_math(const char* op, const DecodeParams& p) {
+    if ((p.int8_queries || p.u8_probabilities) && !is_int8_format_v<T>)
+      raise<invalid_argument>(detail::concat(op, ": ", p.int8_queries ? "int8_queries" : "u8_probabilities",
+                                             "=true needs a cache of an int8 format (int8_row, hadamard<int8_row>); this cache is ",
+                                             format_traits<T>::name));
+    if (p.u8_probabilities && !p.int8_queries)
+      raise<invalid_argument>(detail::concat(op, ": u8_probabilities=true needs int8_queries=true (the 8-bit probabilities "
+                                                 "are the second half of decode's int8 arithmetic)"));
   }
 
  private:

@@ -19,6 +19,10 @@
 // soft-cap, ALiBi, attention sinks, a tree mask, or several of them (compose). The plain kernel
 // (Plain) carries none of their tests.
 //
+// Over an int8 format, DecodeParams::int8_queries scores keys against int8-quantized queries, and
+// DecodeParams::u8_probabilities weighs values by 8-bit probabilities, by integer dot products
+// (simd::I8Dot) where the instruction set has them.
+//
 // Calls take the step's DecodePlan (core.hpp): made once per step, it splits the batch into work
 // items and holds their scratch; every layer's call reuses it.
 #pragma once
@@ -27,6 +31,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -115,6 +120,63 @@ KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c
   }
 }
 
+/// One row's tile of probabilities s[kDecodeTile] (times the values' scales) rounded to 8 bits
+/// relative to the tile's largest (DecodeParams::u8_probabilities): p8_t = round(255 · s_t / max s)
+/// and unit = max s / 255, returned. Bytes: p8_t into p8 (s unchanged); else s_t <- p8_t · unit.
+/// A tile holding a NaN returns unit NaN, so the row's output is NaN; a tile of zeros returns 0.
+template <class Isa, bool Bytes> KVATTN_ALWAYS_INLINE float quantize_probabilities(float* s, std::uint8_t* p8) noexcept {
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes;
+  Vec m = Vec::zero(), sum = Vec::zero();
+  for (int g = 0; g < kDecodeTile; g += W) {
+    const Vec x = Vec::load(s + g);
+    m = max(m, x);
+    sum = sum + x;
+  }
+  const float top = m.reduce_max(), total = sum.reduce_add();
+  const bool none = std::isnan(total) || !(top > 0.0f);
+  const float inv = none ? 0.0f : 255.0f / top, unit = std::isnan(total) ? total : none ? 0.0f : top / 255.0f;
+  if constexpr (Bytes) {
+    simd::I8Dot<Isa>::pack_probabilities(s, inv, p8);  // (inv = 0: zeros)
+  } else {
+    for (int t = 0; t < kDecodeTile; ++t) s[t] = none ? 0.0f : std::nearbyint(s[t] * inv) * unit;
+  }
+  return unit;
+}
+
+/// Step 1 of decode_tile with int8 queries on an instruction set with integer dot products
+/// (simd::I8Dot): red[r][t] = lanes of partial sums of k_t · q_r + key_offset · Σ q_r, as floats.
+/// qr[r]: row r's int8 query, zero-padded to whole cache lines.
+template <class Isa, int HeadDim, int NR, class T>
+KVATTN_ALWAYS_INLINE void int8_scores(const T* const* keys, const T* const* ahead, int n, int dim,
+                                      const std::int8_t* const* qr, simd::Vec<Isa> (*red)[kDecodeTile]) noexcept {
+  using I8 = simd::I8Dot<Isa>;
+  constexpr int B = I8::bytes;
+  const int whole = (HeadDim > 0 ? HeadDim : dim) / B * B;
+  for (int t = 0; t < n; ++t) {
+    if (ahead) prefetch_columns(ahead[t], 0, dim);
+    const T* key = keys[t];
+    typename I8::Acc acc[NR];
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = I8::zero();
+    if constexpr (HeadDim > 0) {
+      KVATTN_UNROLL for (int c = 0; c < HeadDim / B * B; c += B) {
+        const auto k = I8::load_key(key + c);
+        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = I8::dot(acc[r], k, I8::load_query(qr[r] + c));
+      }
+    } else {
+      for (int c = 0; c < whole; c += B) {
+        const auto k = I8::load_key(key + c);
+        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = I8::dot(acc[r], k, I8::load_query(qr[r] + c));
+      }
+    }
+    if (whole < dim) {
+      const auto k = I8::load_key_partial(key + whole, dim - whole);
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = I8::dot(acc[r], k, I8::load_query(qr[r] + whole));
+    }
+    KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = I8::to_vec(acc[r]);
+  }
+}
+
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
 /// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
 /// keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit, whose key and
@@ -123,7 +185,9 @@ KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
 /// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
 /// Formats with a scale per row (format.hpp): ks[t], vs[t] are token t's key and value scales
-/// ([kDecodeTile], 0 past n); other formats ignore them.
+/// ([kDecodeTile], 0 past n); other formats ignore them. Int8Q (DecodeParams::int8_queries):
+/// qr[r] holds row r's int8 query values (int8_t where simd::I8Dot scores them, else as floats),
+/// q_scale[r] its scale and q_offset[r] what the integer sums carry besides k · q.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
 ///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token,
 ///      and scaled (by the key's scale too).
@@ -131,11 +195,11 @@ KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c
 ///      new maximum, rescale factor, probabilities (times the value's scale).
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
-template <class Isa, int HeadDim, int NR, class P, class T>
+template <class Isa, int HeadDim, int NR, bool Int8Q, class P, class T, class QT>
 KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
-                                      int n, std::int64_t t0, int dim, const float* const* qr, const QueryRow* rows,
+                                      int n, std::int64_t t0, int dim, const QT* const* qr, const QueryRow* rows,
                                       float* const* o, float scale, const P& policy, const float* ks,
-                                      const float* vs) noexcept {
+                                      const float* vs, const float* q_scale, const float* q_offset, bool u8p) noexcept {
   constexpr bool kRowScale = format_traits<T>::row_scale;
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
@@ -145,6 +209,9 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
 
   // 1. Scores.
   Vec red[NR][kDecodeTile];
+  if constexpr (std::is_same_v<QT, std::int8_t>) {
+    int8_scores<Isa, HeadDim, NR>(keys, ahead, n, dim, qr, red);
+  } else {
   for (int t = 0; t < n; ++t) {
     if (ahead) prefetch_columns(ahead[t], 0, dim);
     const T* key = keys[t];
@@ -168,24 +235,71 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     }
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = acc[r];
   }
+  }
   for (int t = n; t < kDecodeTile; ++t)
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = Vec::zero();
 
   // 2. Online softmax. s[r][t]: scores, then probabilities (0 for tokens a row does not see).
   alignas(64) float s[NR][kDecodeTile];
   float alpha[NR];
+  // u8p (DecodeParams::u8_probabilities, with int8 queries): each row's probabilities (times the
+  // values' scales) p8[r][t] · p_unit[r], p8 in [0, 255]; where simd::I8Dot multiplies them with
+  // int8 values (kIntValues), step 3 does, else s holds p8 · p_unit and step 3 is the fp32 one.
+  constexpr bool kIntValues = Int8Q && simd::I8Dot<Isa>::value_columns > 0 && HeadDim > 0 &&
+                              HeadDim % std::max(1, simd::I8Dot<Isa>::value_columns) == 0;
+  alignas(64) std::uint8_t p8[NR][kIntValues ? kDecodeTile : 1];
+  float p_unit[NR];
   for (int r = 0; r < NR; ++r) {
-    const Vec vscale = Vec::set1(scale);
-    for (int g = 0; g < kDecodeTile; g += W) {
-      if constexpr (kRowScale)
-        (Vec::sum_each(&red[r][g]) * vscale * Vec::load(ks + g)).store(&s[r][g]);
-      else
-        (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
+    if constexpr (Int8Q) {  // (k · q_int8 + offset − offset) · scale · q's scale · k's scale
+      const Vec off = Vec::set1(q_offset[r]), vscale = Vec::set1(scale * q_scale[r]);
+      for (int g = 0; g < kDecodeTile; g += W) ((Vec::sum_each(&red[r][g]) - off) * vscale * Vec::load(ks + g)).store(&s[r][g]);
+    } else {
+      const Vec vscale = Vec::set1(scale);
+      for (int g = 0; g < kDecodeTile; g += W) {
+        if constexpr (kRowScale)
+          (Vec::sum_each(&red[r][g]) * vscale * Vec::load(ks + g)).store(&s[r][g]);
+        else
+          (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
+      }
     }
     core_impl::policy_tile<kDecodeTile>(policy, rows[r], t0, n, s[r]);
     alpha[r] = core_impl::row_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
     if constexpr (kRowScale)
       for (int g = 0; g < kDecodeTile; g += W) (Vec::load(&s[r][g]) * Vec::load(vs + g)).store(&s[r][g]);
+    if constexpr (Int8Q)
+      if (u8p) p_unit[r] = quantize_probabilities<Isa, kIntValues>(s[r], p8[r]);
+  }
+  if constexpr (kIntValues) if (u8p) {  // 3, by integer dot products: o = alpha · o + unit · Σ_t p8_t v_t
+    using I8 = simd::I8Dot<Isa>;
+    constexpr int C = I8::value_columns;
+    // Blocks of up to 4 rows: 16 accumulators, the values' 4 vectors and the rest in registers.
+    constexpr int RB = NR < 4 ? NR : 4;
+    for (int c = 0; c < HeadDim; c += C)
+      for (int r0 = 0; r0 < NR; r0 += RB) {
+        const int nr = std::min(RB, NR - r0);
+        typename I8::Acc acc[RB][4];
+        KVATTN_UNROLL for (int r = 0; r < RB; ++r)
+          KVATTN_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = I8::zero();
+        for (int t = 0; t < n; t += 4) {  // 4 tokens at a time; past n: any row, its probability is 0
+          const T* row[4];
+          KVATTN_UNROLL for (int i = 0; i < 4; ++i) {
+            const int ti = std::min(t + i, n - 1);
+            row[i] = keys[ti] + value_minus_key + c;
+            if (ahead && r0 == 0) prefetch_columns(ahead[ti] + value_minus_key, c, c + C);
+          }
+          typename I8::Acc v[4];
+          I8::load_values(row, v);
+          KVATTN_UNROLL for (int r = 0; r < RB; ++r) {
+            if (r < nr) {
+              std::uint32_t p4;
+              std::memcpy(&p4, &p8[r0 + r][t], sizeof p4);
+              KVATTN_UNROLL for (int j = 0; j < 4; ++j) acc[r][j] = I8::dot_values(acc[r][j], p4, v[j]);
+            }
+          }
+        }
+        for (int r = 0; r < nr; ++r) I8::add_values(o[r0 + r] + c, acc[r], p_unit[r0 + r], alpha[r0 + r]);
+      }
+    return;
   }
 
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
@@ -267,10 +381,10 @@ template <class T> struct SpanWalker {
 /// [kv_heads][rows][row_floats(dim)], rows = group · Q (row r: query i = r / group, head
 /// h·group + r % group), each row its output [dim] in pair order then {m, d}.
 /// HeadDim is the head size (0: read it from the layout at run time).
-template <class Isa, int HeadDim, class P, class T>
+template <class Isa, int HeadDim, bool Int8Q, class P, class T>
 void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64_t end, const float* q, int group,
                  int Q, std::int64_t q_row_stride, float scale, const P& policy, float* part,
-                 float* q_scratch) noexcept {
+                 float* q_scratch, bool u8_probabilities) noexcept {
   const int dim = HeadDim > 0 ? HeadDim : kv.layout.head_dim;
   const int H = kv.layout.kv_heads, rows = group * Q;
   const std::int64_t length = kv.length(b);
@@ -295,12 +409,38 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
       simd::to_pair_order<Isa, T>(q + i * q_row_stride + (std::int64_t{h} * group + (row - i * group)) * dim, qs, dim);
       if constexpr (kRotated) hadamard_rotate(qs, dim);
     }
+  // With int8 queries (DecodeParams::int8_queries), each row quantized like a key row:
+  // [kv_heads][rows][int8_query_row_floats] after the float queries, the row's int8 values
+  // zero-padded to whole lines, then its {scale, key_offset · Σ q}. Instruction sets without
+  // integer dot products score the same integers as floats: they replace the float row.
+  using I8 = simd::I8Dot<Isa>;
+  constexpr bool kIntDot = Int8Q && I8::available;
+  const std::int64_t i8_row = decode_layout::int8_query_row_floats(dim), i8_bytes = (i8_row - detail::kLineFloats) * 4;
+  float* const q8_base = q_scratch + std::int64_t{H} * rows * dim;
+  if constexpr (Int8Q) {
+    static_assert(is_int8_format_v<T>, "int8 queries score int8 keys");
+    for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {
+      float* qs = q_scratch + r * dim;
+      float* q8 = q8_base + r * i8_row;
+      auto* v = reinterpret_cast<int8_row*>(q8);
+      const float qscale = format_traits<int8_row>::quantize_row(qs, v, static_cast<std::size_t>(dim));
+      std::int64_t sum = 0;
+      for (int c = 0; c < dim; ++c) sum += v[c].q;
+      for (std::int64_t c = dim; c < i8_bytes; ++c) v[c].q = 0;
+      q8[i8_bytes / 4] = qscale;
+      q8[i8_bytes / 4 + 1] = kIntDot ? static_cast<float>(I8::key_offset * sum) : 0.0f;
+      if constexpr (!kIntDot)
+        for (int c = 0; c < dim; ++c) qs[c] = static_cast<float>(v[c].q);
+    }
+  }
+  using QueryValue = std::conditional_t<kIntDot, std::int8_t, float>;
 
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
   constexpr bool kRowScale = format_traits<T>::row_scale;
   alignas(64) float ks[kDecodeTile] = {}, vs[kDecodeTile] = {};  // the tile's scales (row-scale formats), 0 past n
-  const float* qr[kRowBlock];
+  const QueryValue* qr[kRowBlock];
+  float q_scale[kRowBlock] = {}, q_offset[kRowBlock] = {};  // int8 queries: each row's scale and offset
   QueryRow qrow[kRowBlock];
   float* o[kRowBlock];
   const int lookahead = std::min(kPrefetchUnits, H);  // in (span, head) units; < 2 spans
@@ -341,7 +481,15 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
           const int nr = std::min(kRowBlock, rows - r0);
           for (int r = 0; r < nr; ++r) {
             const int row = r0 + r;
-            qr[r] = q_scratch + (std::int64_t{h} * rows + row) * dim;
+            const std::int64_t hr = std::int64_t{h} * rows + row;
+            if constexpr (kIntDot)
+              qr[r] = reinterpret_cast<const std::int8_t*>(q8_base + hr * i8_row);
+            else
+              qr[r] = q_scratch + hr * dim;
+            if constexpr (Int8Q) {
+              q_scale[r] = q8_base[hr * i8_row + i8_bytes / 4];
+              q_offset[r] = q8_base[hr * i8_row + i8_bytes / 4 + 1];
+            }
             const int i = row / group;
             qrow[r] = QueryRow{std::int64_t{b} * Q + i, length - Q + i, length - Q, h * group + (row - i * group)};
             o[r] = part + (std::int64_t{h} * rows + row) * stride;
@@ -350,7 +498,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, HeadDim, NR>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs); \
+      decode_tile<Isa, HeadDim, NR, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, q_scale, q_offset, u8_probabilities); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -359,7 +507,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, HeadDim, kRowBlock>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs); break;
+            default: decode_tile<Isa, HeadDim, kRowBlock, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, q_scale, q_offset, u8_probabilities); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }
@@ -403,15 +551,26 @@ void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, De
   float* const base = plan.scratch();
   const std::vector<DecodePlan::Item>& items = plan.items();
 
+  DecodePlan::check_int8_math<T>("decode", plan.params());
   dispatch_head_dim(dim, [&](auto head_dim) {
     constexpr int HeadDim = decltype(head_dim)::value;
-    pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
-      const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
-      float* part = base + it.partial;
-      float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
-      decode_impl::decode_item<Isa, HeadDim>(kv, it.batch_index, it.begin, it.end, q + it.batch_index * q_seq_stride, group, Q,
-                                             q_row_stride, scale, policy, part, q_scratch);
-    });
+    const auto run = [&](auto int8) {
+      pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
+        const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
+        float* part = base + it.partial;
+        float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
+        decode_impl::decode_item<Isa, HeadDim, decltype(int8)::value>(kv, it.batch_index, it.begin, it.end,
+                                                                      q + it.batch_index * q_seq_stride, group, Q,
+                                                                      q_row_stride, scale, policy, part, q_scratch,
+                                                                      plan.params().u8_probabilities);
+      });
+    };
+    // One kernel more for int8 formats (the int8 queries'), not one per flag: the 8-bit
+    // probabilities are a branch per tile inside it.
+    if constexpr (is_int8_format_v<T>) {
+      if (plan.params().int8_queries) return run(std::true_type{});
+    }
+    run(std::false_type{});
   });
 
   // Merge each (sequence, KV head)'s chunks (and the sink, counted once) and scatter rows to [b][i][h][dim].

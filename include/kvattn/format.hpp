@@ -138,6 +138,10 @@ template <> struct format_traits<hadamard<int8_row>> {
 template <class F>
 inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>>;
 
+/// True for the formats whose values are int8 with a scale per row: int8_row, hadamard<int8_row>.
+template <class F>
+inline constexpr bool is_int8_format_v = std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>>;
+
 /// The value of one stored int8 (its row's scale not applied), for simd::Vec's loads.
 inline float to_float(int8_row x) noexcept { return static_cast<float>(x.q); }
 

@@ -306,6 +306,131 @@ template <> struct Vec<isa::neon> {
 };
 #endif  // KVATTN_HAS_NEON
 
+/// Integer dot products of int8 rows, for int8 keys scored against int8 queries
+/// (DecodeParams::int8_queries); I8Dot<Isa>::available where the instruction set has them
+/// (AVX-512 VNNI, AVX-VNNI on an AVX2 build, NEON's dot product):
+///   bytes              int8 values one step reads and multiplies;
+///   Acc, zero()        lanes of int32 partial sums;
+///   load_key(p)        `bytes` key values (load_key_partial: the first n, 0 < n < bytes);
+///   load_query(p)      `bytes` query values (a query row is zero-padded to whole steps);
+///   dot(acc, k, q)     acc + the products, summed four at a time into each int32 lane;
+///   key_offset         what load_key adds to each key value (AVX-512 VNNI multiplies unsigned
+///                      by signed bytes, so keys are read as k + 128): the lanes then sum to
+///                      k · q + key_offset · Σ q, and the caller subtracts the second term;
+///   to_vec(acc)        the lanes as floats, exact (|k · q| < 2^24 for head_dim <= 1024);
+///   value_columns      for 8-bit probabilities times int8 values (DecodeParams::
+///                      u8_probabilities), the columns one pass covers (load_values,
+///                      pack_probabilities, dot_values, add_values); 0: none (fp32 instead).
+template <class Isa> struct I8Dot {
+  static constexpr bool available = false;
+  static constexpr int key_offset = 0;
+  static constexpr int value_columns = 0;
+};
+#if KVATTN_HAS_AVX2 && defined(__AVXVNNI__)
+template <> struct I8Dot<isa::avx2> {  // AVX-VNNI: the same instruction on 256-bit vectors
+  static constexpr bool available = true;
+  static constexpr int bytes = 32;
+  static constexpr int key_offset = 128;
+  static constexpr int value_columns = 0;  // values: fp32 multiply-adds
+  using Acc = __m256i;
+  static Acc zero() noexcept { return _mm256_setzero_si256(); }
+  static __m256i load_key(const int8_row* p) noexcept {
+    return _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(-128));
+  }
+  static __m256i load_key_partial(const int8_row* p, int n) noexcept {
+    alignas(32) std::int8_t tmp[bytes] = {};
+    std::memcpy(tmp, p, static_cast<std::size_t>(n));
+    return _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(tmp)), _mm256_set1_epi8(-128));
+  }
+  static __m256i load_query(const std::int8_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Acc dot(Acc acc, __m256i k, __m256i q) noexcept { return _mm256_dpbusd_avx_epi32(acc, k, q); }
+  static Vec<isa::avx2> to_vec(Acc a) noexcept { return {_mm256_cvtepi32_ps(a)}; }
+};
+#endif
+#if KVATTN_HAS_AVX512 && defined(__AVX512VNNI__)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593, as in storage.hpp
+#endif
+template <> struct I8Dot<isa::avx512> {
+  static constexpr bool available = true;
+  static constexpr int bytes = 64;
+  static constexpr int key_offset = 128;
+  using Acc = __m512i;
+  static Acc zero() noexcept { return _mm512_setzero_si512(); }
+  static __m512i load_key(const int8_row* p) noexcept {
+    return _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set1_epi8(-128));
+  }
+  static __m512i load_key_partial(const int8_row* p, int n) noexcept {
+    return _mm512_xor_si512(_mm512_maskz_loadu_epi8((__mmask64{1} << n) - 1, p), _mm512_set1_epi8(-128));
+  }
+  static __m512i load_query(const std::int8_t* p) noexcept { return _mm512_loadu_si512(p); }
+  static Acc dot(Acc acc, __m512i k, __m512i q) noexcept { return _mm512_dpbusd_epi32(acc, k, q); }
+  static Vec<isa::avx512> to_vec(Acc a) noexcept { return {_mm512_cvtepi32_ps(a)}; }
+
+  // Values (DecodeParams::u8_probabilities): value_columns columns of four tokens' value rows
+  // at a time, the four tokens' bytes of each column side by side in one int32 lane.
+  static constexpr int value_columns = 64;
+  /// r[i]: token i's value row at the pass's first column. v[j] lane 4l + i holds the four tokens'
+  /// values of column 16l + 4j + i (the unpacks work within 128-bit lanes).
+  template <class T> static void load_values(const T* const* r, __m512i* v) noexcept {
+    const __m512i a0 = _mm512_loadu_si512(r[0]), a1 = _mm512_loadu_si512(r[1]);
+    const __m512i a2 = _mm512_loadu_si512(r[2]), a3 = _mm512_loadu_si512(r[3]);
+    const __m512i l01 = _mm512_unpacklo_epi8(a0, a1), h01 = _mm512_unpackhi_epi8(a0, a1);
+    const __m512i l23 = _mm512_unpacklo_epi8(a2, a3), h23 = _mm512_unpackhi_epi8(a2, a3);
+    v[0] = _mm512_unpacklo_epi16(l01, l23);
+    v[1] = _mm512_unpackhi_epi16(l01, l23);
+    v[2] = _mm512_unpacklo_epi16(h01, h23);
+    v[3] = _mm512_unpackhi_epi16(h01, h23);
+  }
+  /// p8[t] = round(s[t] · inv) for t < 32, s[t] · inv in [0, 255].
+  static void pack_probabilities(const float* s, float inv, std::uint8_t* p8) noexcept {
+    const __m512 f = _mm512_set1_ps(inv);
+    for (int g = 0; g < 32; g += 16)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(p8 + g),
+                       _mm512_cvtusepi32_epi8(_mm512_cvtps_epu32(_mm512_mul_ps(_mm512_loadu_ps(s + g), f))));
+  }
+  /// acc + Σ_i p[i] · v (four tokens' unsigned probabilities, one byte each, times their values).
+  static Acc dot_values(Acc acc, std::uint32_t p, __m512i v) noexcept {
+    return _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(static_cast<int>(p)), v);
+  }
+  /// o[0, 64) = alpha · o + f · acc, acc[j] in load_values' order.
+  static void add_values(float* o, const Acc* acc, float f, float alpha) noexcept {
+    const __m512 x0 = _mm512_cvtepi32_ps(acc[0]), x1 = _mm512_cvtepi32_ps(acc[1]);
+    const __m512 x2 = _mm512_cvtepi32_ps(acc[2]), x3 = _mm512_cvtepi32_ps(acc[3]);
+    const __m512 u0 = _mm512_shuffle_f32x4(x0, x1, 0x44), u1 = _mm512_shuffle_f32x4(x0, x1, 0xEE);
+    const __m512 u2 = _mm512_shuffle_f32x4(x2, x3, 0x44), u3 = _mm512_shuffle_f32x4(x2, x3, 0xEE);
+    const __m512 col[4] = {_mm512_shuffle_f32x4(u0, u2, 0x88), _mm512_shuffle_f32x4(u0, u2, 0xDD),
+                           _mm512_shuffle_f32x4(u1, u3, 0x88), _mm512_shuffle_f32x4(u1, u3, 0xDD)};
+    const __m512 vf = _mm512_set1_ps(f), va = _mm512_set1_ps(alpha);
+    for (int l = 0; l < 4; ++l)
+      _mm512_storeu_ps(o + 16 * l, _mm512_fmadd_ps(vf, col[l], _mm512_mul_ps(_mm512_loadu_ps(o + 16 * l), va)));
+  }
+};
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+#if KVATTN_HAS_NEON && defined(__ARM_FEATURE_DOTPROD)
+template <> struct I8Dot<isa::neon> {
+  static constexpr bool available = true;
+  static constexpr int bytes = 16;
+  static constexpr int key_offset = 0;  // sdot multiplies signed by signed bytes
+  static constexpr int value_columns = 0;  // values: fp32 multiply-adds
+  using Acc = int32x4_t;
+  static Acc zero() noexcept { return vdupq_n_s32(0); }
+  static int8x16_t load_key(const int8_row* p) noexcept { return vld1q_s8(reinterpret_cast<const std::int8_t*>(p)); }
+  static int8x16_t load_key_partial(const int8_row* p, int n) noexcept {
+    std::int8_t tmp[bytes] = {};
+    std::memcpy(tmp, p, static_cast<std::size_t>(n));
+    return vld1q_s8(tmp);
+  }
+  static int8x16_t load_query(const std::int8_t* p) noexcept { return vld1q_s8(p); }
+  static Acc dot(Acc acc, int8x16_t k, int8x16_t q) noexcept { return vdotq_s32(acc, k, q); }
+  static Vec<isa::neon> to_vec(Acc a) noexcept { return {vcvtq_f32_s32(a)}; }
+};
+#endif
+
 /// Reorders one row [dim] of floats into the order load_pair<T> delivers pairs in (a no-op copy
 /// where pairs are not interleaved): within each whole block of 2 · lanes elements, the even
 /// elements first, then the odd ones; the elements after the last whole block keep their places.

@@ -184,6 +184,7 @@ class DecodePlan {
     constexpr const char* op = kMakeOp;
     batch_ = -1;
     const int rows = host_.prepare(op, shape, cache.layout(), p, 1);
+    kvattn::DecodePlan::check_int8_math<T>(op, p);
     if (shape.head_dim > impl::kMaxHeadDim)
       raise<shape_error>(kvattn::detail::concat(op, ": head_dim=", shape.head_dim, ": at most ", impl::kMaxHeadDim, " on the GPU"));
     const int rb = impl::gqa_row_block(impl::gqa_elements_per_thread(shape.head_dim), rows);
