@@ -139,7 +139,7 @@ template <class Isa, bool Bytes> KVATTN_ALWAYS_INLINE float quantize_probabiliti
   if constexpr (Bytes) {
     simd::I8Dot<Isa>::pack_probabilities(s, inv, p8);  // (inv = 0: zeros)
   } else {
-    for (int t = 0; t < kDecodeTile; ++t) s[t] = none ? 0.0f : std::nearbyint(s[t] * inv) * unit;
+    for (int t = 0; t < kDecodeTile; ++t) s[t] = none ? unit * 0.0f : std::nearbyint(s[t] * inv) * unit;  // NaN stays NaN
   }
   return unit;
 }
