@@ -170,8 +170,12 @@ class KvFormat {
   /// power-of-two head_dim up to kMaxRotatedDim when rotated), or an MLA shape when the format
   /// has neither scales nor rotation.
   constexpr bool holds(const AttentionShape& shape) const noexcept {
-    if (const auto* g = std::get_if<GqaShape>(&shape))
-      return !rotated_ || (g->head_dim > 0 && g->head_dim <= kMaxRotatedDim && (g->head_dim & (g->head_dim - 1)) == 0);
+    // holds_alternative and get, not get_if: GCC's constant evaluation under -fsanitize rejects
+    // get_if's null test of the address of a static object.
+    if (std::holds_alternative<GqaShape>(shape)) {
+      const int d = std::get<GqaShape>(shape).head_dim;
+      return !rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0);
+    }
     return !row_scale() && !rotated_;
   }
   /// Why a cache of this format cannot hold `model`, naming both; "" when it can.
@@ -193,10 +197,12 @@ class KvFormat {
   ///   MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
   ///   MLA             (latent_dim + rope_dim) · bits / 8
   constexpr std::uint64_t bytes_per_token_layer(const AttentionShape& shape) const {
-    if (const auto* g = std::get_if<GqaShape>(&shape))
-      return detail::checked_mul(2 * static_cast<std::uint64_t>(g->kv_heads),
-                                 detail::checked_add(detail::checked_mul(static_cast<std::uint64_t>(g->head_dim), unit()),
+    if (std::holds_alternative<GqaShape>(shape)) {
+      const GqaShape& g = std::get<GqaShape>(shape);
+      return detail::checked_mul(2 * static_cast<std::uint64_t>(g.kv_heads),
+                                 detail::checked_add(detail::checked_mul(static_cast<std::uint64_t>(g.head_dim), unit()),
                                                      static_cast<std::uint64_t>(scale_bytes_)));
+    }
     return detail::checked_mul(elements_per_layer(std::get<MlaShape>(shape)), unit());
   }
   /// Bytes of one page of `page_size` tokens of one layer of `shape`, as PageLayout lays it out,
@@ -206,9 +212,10 @@ class KvFormat {
   /// page_size rows of latent_dim + rope_dim values, rounded up once.
   constexpr std::uint64_t page_bytes(const AttentionShape& shape, int page_size) const {
     const auto tokens = static_cast<std::uint64_t>(page_size);
-    if (const auto* g = std::get_if<GqaShape>(&shape)) {
-      const std::uint64_t blocks = 2 * static_cast<std::uint64_t>(g->kv_heads);
-      const std::uint64_t head_block = whole_lines(detail::checked_mul(detail::checked_mul(tokens, static_cast<std::uint64_t>(g->head_dim)), unit()));
+    if (std::holds_alternative<GqaShape>(shape)) {
+      const GqaShape& g = std::get<GqaShape>(shape);
+      const std::uint64_t blocks = 2 * static_cast<std::uint64_t>(g.kv_heads);
+      const std::uint64_t head_block = whole_lines(detail::checked_mul(detail::checked_mul(tokens, static_cast<std::uint64_t>(g.head_dim)), unit()));
       const std::uint64_t scales = whole_lines(detail::checked_mul(detail::checked_mul(blocks, tokens), static_cast<std::uint64_t>(scale_bytes_)));
       return detail::checked_add(detail::checked_mul(blocks, head_block), scales);
     }

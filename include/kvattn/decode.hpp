@@ -212,29 +212,29 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   if constexpr (std::is_same_v<QT, std::int8_t>) {
     int8_scores<Isa, HeadDim, NR>(keys, ahead, n, dim, qr, red);
   } else {
-  for (int t = 0; t < n; ++t) {
-    if (ahead) prefetch_columns(ahead[t], 0, dim);
-    const T* key = keys[t];
-    Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
-    // Unrolled for the head sizes known at compile time. The general size's count is known only
-    // at run time: clang cannot honour an unroll pragma there and warns (-Wpass-failed).
-    if constexpr (HeadDim > 0) {
-      KVATTN_UNROLL for (int c = 0; c < HeadDim / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
-    } else {
-      for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+    for (int t = 0; t < n; ++t) {
+      if (ahead) prefetch_columns(ahead[t], 0, dim);
+      const T* key = keys[t];
+      Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
+      // Unrolled for the head sizes known at compile time. The general size's count is known only
+      // at run time: clang cannot honour an unroll pragma there and warns (-Wpass-failed).
+      if constexpr (HeadDim > 0) {
+        KVATTN_UNROLL for (int c = 0; c < HeadDim / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+      } else {
+        for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+      }
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc[r] + acc2[r];
+      for (int c = 0; c < singles; ++c) {
+        const Vec k = Vec::load(key + rest + c * W);
+        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
+      }
+      if (tail) {
+        const Vec k = Vec::load_partial(key + dim - tail, tail);
+        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + dim - tail, tail), k, acc[r]);
+      }
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = acc[r];
     }
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc[r] + acc2[r];
-    for (int c = 0; c < singles; ++c) {
-      const Vec k = Vec::load(key + rest + c * W);
-      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
-    }
-    if (tail) {
-      const Vec k = Vec::load_partial(key + dim - tail, tail);
-      KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + dim - tail, tail), k, acc[r]);
-    }
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = acc[r];
-  }
   }
   for (int t = n; t < kDecodeTile; ++t)
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = Vec::zero();
