@@ -23,12 +23,13 @@
 //                    again for each of the group's query heads, as that loop does. N = 2 splits
 //                    the (sequence, query head) pairs into two halves run by the same ThreadPool.
 //     shape  gqa32x8: 32 query heads, 8 KV heads (groups of 4); mha32x32: 32 and 32. Head size 128.
-//     dtype  bf16 or fp16 K/V storage, or int8 (kvattn::int8_row: int8 values and one fp32 scale
-//            per row, in the page's scale block; kvattn rows only: compare them with bf16's of
-//            the same run); queries and outputs fp32: q, out [B][1][32][128].
+//     dtype  bf16 or fp16 K/V storage, or int8 / fp8 (kvattn::int8_row, kvattn::fp8_e4m3_row:
+//            8-bit values and one fp32 scale per row, in the page's scale block; kvattn rows
+//            only: compare them with bf16's of the same run); queries and outputs fp32:
+//            q, out [B][1][32][128].
 //   One query per sequence (plain decode), every sequence C tokens long, pages of 16 tokens.
 //   bytes_per_second = B · C · kv_heads · 2 (K and V) · row bytes per step (128 · 2 for the 16-bit
-//   types, 128 + 4 for int8: values and scale): the cache bytes
+//   types, 128 + 4 for int8 and fp8: values and scale): the cache bytes
 //   decode must read, the same count for both implementations, so their ratio is direct and each
 //   compares with machine/read_bandwidth (printed at the end of the same run; the N-thread figure
 //   of one is the ceiling of the other). Every benchmark runs in wall time.
@@ -134,7 +135,7 @@ constexpr double kTolerance = 1e-3;  // baseline vs kvattn, absolute, on outputs
 template <class T> constexpr const char* type_name() { return kvattn::format_traits<T>::name.data(); }
 
 /// Bytes of K and V one decode step must read: every token of every sequence, every KV head,
-/// the rows' scales included (int8_row: one fp32 per row).
+/// the rows' scales included (int8_row, fp8_e4m3_row: one fp32 per row).
 template <class T> std::int64_t kv_bytes(const GqaShape& shape, std::int64_t batch, std::int64_t ctx) {
   const std::int64_t row = shape.head_dim * static_cast<std::int64_t>(sizeof(T)) + (kvattn::format_traits<T>::row_scale ? 4 : 0);
   return batch * ctx * shape.kv_heads * 2 * row;
@@ -150,7 +151,8 @@ using kvattn::bench::with_parallel_for;
 /// Random storage bits, four 16-bit values per 64-bit word: s|0111 11xx|xxxx xxx with the x
 /// random. As bf16 that is ±[1/8, 2) (exponent 124 to 127, random mantissa); as fp16 it is
 /// s|01111|1xxx xxxx xx, ±[1.5, 2). Ordinary values in both types: one fill serves both (and
-/// int8_row, whose bytes are any int8 and whose scales, read as fp32, are ±[1/8, 2)).
+/// the 8-bit formats, whose bytes are any int8 or e4m3 code (the kernels read e4m3's NaN codes
+/// as ±480: none is ever written) and whose scales, read as fp32, are ±[1/8, 2)).
 std::uint64_t random_bits(std::uint64_t r) { return (r & 0x81FF81FF81FF81FFull) | 0x3E003E003E003E00ull; }
 
 struct free_deleter {
@@ -465,6 +467,7 @@ const bool registered = [] {
   // of the 8-bit cache; no baseline of its own.
   register_family<kvattn::int8_row>("gqa32x8", gqa, false);
   register_family<kvattn::int8_row>("mha32x32", mha, false);
+  register_family<kvattn::fp8_e4m3_row>("gqa32x8", gqa, false);  // fp8 e4m3, a scale per row, likewise
   kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();

@@ -35,15 +35,16 @@ void check(const Case& c, PF&& pf) {
   checks::expect_decode_case_matches<P>(in, c, values, out, lse);
 }
 
-/// check for fp32, fp16, bf16, int8_row and (head sizes that are powers of two) hadamard<int8_row>
-/// storage; the 8-bit formats against the reference on the cache's dequantized keys and values,
-/// which read() returns, so within the same bounds.
+/// check for fp32, fp16, bf16, int8_row, fp8_e4m3_row and (head sizes that are powers of two)
+/// hadamard<int8_row> storage; the 8-bit formats against the reference on the cache's dequantized
+/// keys and values, which read() returns, so within the same bounds.
 template <class P, class Isa, class PF = kvattn::SerialFor>
 void check_all_storage(const Case& c, PF&& pf = PF{}) {
   check<P, float, Isa>(c, pf);
   check<P, kvattn::fp16, Isa>(c, pf);
   check<P, kvattn::bf16, Isa>(c, pf);
   check<P, kvattn::int8_row, Isa>(c, pf);
+  check<P, kvattn::fp8_e4m3_row, Isa>(c, pf);
   if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check<P, kvattn::hadamard<kvattn::int8_row>, Isa>(c, pf);
 }
 

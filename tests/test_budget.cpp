@@ -44,6 +44,8 @@ static_assert(KvFormat::of<kvattn::fp16>() == kv_formats::fp16);
 static_assert(KvFormat::of<kvattn::bf16>() == kv_formats::bf16);
 static_assert(KvFormat::of<kvattn::int8_row>() == kv_formats::int8);
 static_assert(KvFormat::of<kvattn::hadamard<kvattn::int8_row>>() == kv_formats::int8_hadamard);
+static_assert(KvFormat::of<kvattn::fp8_e4m3_row>() == kv_formats::fp8);
+static_assert(KvFormat::of<kvattn::hadamard<kvattn::fp8_e4m3_row>>() == kv_formats::fp8_hadamard);
 static_assert(KvFormat::kMaxRotatedDim == kvattn::kMaxRotatedDim);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::int8}).bytes_per_token == 67584);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::bf16}).bytes_per_token == 131072);
@@ -267,9 +269,12 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
   EXPECT_EQ(KvFormat::parse("bf16"), kv_formats::bf16);
   EXPECT_EQ(KvFormat::parse("int8"), kv_formats::int8);
   EXPECT_EQ(KvFormat::parse("int8_hadamard"), kv_formats::int8_hadamard);
+  EXPECT_EQ(KvFormat::parse("fp8"), kv_formats::fp8);
+  EXPECT_EQ(KvFormat::parse("fp8_hadamard"), kv_formats::fp8_hadamard);
   EXPECT_NE(kv_formats::fp16, kv_formats::bf16);  // same width, another format
-  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard");
-  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8", "bf16 "}) {
+  EXPECT_NE(kv_formats::int8, kv_formats::fp8);
+  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard");
+  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 "}) {
     SCOPED_TRACE(bad);
     try {
       KvFormat::parse(bad);
@@ -277,7 +282,7 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
     } catch (const kvattn::invalid_argument& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("'" + std::string(bad) + "'"), std::string::npos) << what;
-      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard"), std::string::npos) << what;
+      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard"), std::string::npos) << what;
     }
   }
   EXPECT_THROW(KvFormat("q4", 4), kvattn::invalid_argument);  // values are whole bytes
@@ -292,7 +297,8 @@ TEST(Formats, ExactBytesPerTokenCountTheScales) {
   EXPECT_EQ(int8.bytes_per_token, 67584u);
   EXPECT_EQ(int8.bytes_per_sequence, 67584u * 4096);
   EXPECT_EQ(int8.bytes_per_batch, 67584u * 4096 * 3);
-  EXPECT_EQ(kvattn::footprint(m, Workload{4096, 3, kv_formats::int8_hadamard}).bytes_per_batch, int8.bytes_per_batch);
+  for (const KvFormat& f : {kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard})
+    EXPECT_EQ(kvattn::footprint(m, Workload{4096, 3, f}).bytes_per_batch, int8.bytes_per_batch) << f.name();
   // The plain formats equal the uniform width of their bits.
   for (const KvFormat& f : {kv_formats::fp32, kv_formats::fp16, kv_formats::bf16}) {
     const auto exact = kvattn::footprint(m, Workload{4096, 3, f});
@@ -313,7 +319,7 @@ TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
   const Model& ds = presets::deepseek_v2.model;  // 576 elements per token per layer, 60 layers
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 69120u);
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::fp32}).bytes_per_token, 138240u);
-  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard}) {
+  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard}) {
     SCOPED_TRACE(std::string(f.name()));
     EXPECT_FALSE(f.holds(ds.attention));
     try {

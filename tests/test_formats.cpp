@@ -91,6 +91,127 @@ TEST(Int8Row, NonFiniteValuesMakeTheWholeRowNaN) {
   }
 }
 
+// ---- fp8 e4m3 ------------------------------------------------------------------------------
+
+using kvattn::fp8_e4m3_row;
+using Fp8 = kvattn::format_traits<fp8_e4m3_row>;
+
+/// e4m3's definition, in double: (-1)^s · 2^(e-7) · (1 + m/8), or 2^-6 · m/8 when e = 0.
+double e4m3_value(int code) {
+  const int e = (code >> 3) & 15, m = code & 7;
+  const double mag = e ? std::ldexp(1.0 + m / 8.0, e - 7) : std::ldexp(m / 8.0, -6);
+  return (code & 0x80) ? -mag : mag;
+}
+
+/// The code nearest |x| among 0 .. 0x7E (0x7F is NaN), ties to the even code, with x's sign.
+int nearest_e4m3(float x) {
+  const double a = std::fabs(static_cast<double>(x));
+  int best = 0;
+  for (int c = 1; c <= 0x7E; ++c) {
+    const double d = std::fabs(e4m3_value(c) - a), db = std::fabs(e4m3_value(best) - a);
+    if (d < db || (d == db && c % 2 == 0)) best = c;
+  }
+  return best | (std::signbit(x) ? 0x80 : 0);
+}
+
+TEST(Fp8E4m3, DecodesEveryCodeAsDefined) {
+  for (int code = 0; code < 256; ++code) {
+    if ((code & 0x7F) == 0x7F) continue;  // NaN: never written
+    EXPECT_EQ(static_cast<double>(kvattn::fp8_e4m3_decode_scaled(static_cast<std::uint8_t>(code))) * 256.0, e4m3_value(code))
+        << "code " << code;
+    EXPECT_EQ(kvattn::fp8_e4m3_encode(static_cast<float>(e4m3_value(code))), code == 0x80 ? 0x80 : code) << "code " << code;
+  }
+  EXPECT_EQ(e4m3_value(0x7E), 448.0);
+  EXPECT_EQ(e4m3_value(0x01), std::ldexp(1.0, -9));  // the smallest subnormal
+}
+
+TEST(Fp8E4m3, EncodesToTheNearestCodeTiesToEvenAndSaturates) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> magnitude(-12.0f, 9.2f);  // log2 of |x|: subnormals to past 448
+  for (int i = 0; i < 20000; ++i) {
+    const float x = std::exp2(magnitude(rng)) * (rng() % 2 ? 1.0f : -1.0f);
+    ASSERT_EQ(kvattn::fp8_e4m3_encode(x), nearest_e4m3(std::min(std::fabs(x), 448.0f) * (x < 0 ? -1.0f : 1.0f))) << x;
+  }
+  // Ties, exactly halfway between two codes: to the even one.
+  EXPECT_EQ(kvattn::fp8_e4m3_encode(std::ldexp(1.0f, -10)), 0x00);       // 0 and 2^-9
+  EXPECT_EQ(kvattn::fp8_e4m3_encode(3 * std::ldexp(1.0f, -10)), 0x02);   // 2^-9 and 2^-8
+  EXPECT_EQ(kvattn::fp8_e4m3_encode(15 * std::ldexp(1.0f, -10)), 0x08);  // 7·2^-9 and 2^-6, the smallest normal
+  EXPECT_EQ(kvattn::fp8_e4m3_encode(1.0625f), 0x38);                     // 1 and 1.125
+  EXPECT_EQ(kvattn::fp8_e4m3_encode(1.1875f), 0x3A);                     // 1.125 and 1.25
+  // Past 448: saturates, never a NaN code.
+  for (float big : {448.0f, 449.0f, 463.9f, 464.0f, 480.0f, 1e6f, std::numeric_limits<float>::max()}) {
+    EXPECT_EQ(kvattn::fp8_e4m3_encode(big), 0x7E) << big;
+    EXPECT_EQ(kvattn::fp8_e4m3_encode(-big), 0xFE) << big;
+  }
+}
+
+TEST(Fp8E4m3, VectorLoadsEqualTheScalarDecoding) {
+  using Vec = kvattn::simd::Vec<kvattn::isa::native>;
+  constexpr int W = Vec::lanes;
+  static_assert(!Vec::interleaves_pairs<fp8_e4m3_row>, "load_pair gives fp8 values in order");
+  std::vector<fp8_e4m3_row> bytes(256 + 2 * W);
+  for (std::size_t i = 0; i < bytes.size(); ++i) bytes[i].bits = static_cast<std::uint8_t>(i % 256 == 0x7F ? 0 : i % 256);
+  std::vector<float> got(2 * W);
+  for (std::size_t i = 0; i < 256; ++i) {
+    Vec a, b;
+    Vec::load_pair(bytes.data() + i, a, b);  // in order: fp8 pairs are not interleaved
+    a.store(got.data());
+    b.store(got.data() + W);
+    for (int j = 0; j < 2 * W; ++j) ASSERT_EQ(got[static_cast<std::size_t>(j)], kvattn::to_float(bytes[i + static_cast<std::size_t>(j)])) << i << " + " << j;
+    Vec::load(bytes.data() + i).store(got.data());
+    for (int j = 0; j < W; ++j) ASSERT_EQ(got[static_cast<std::size_t>(j)], kvattn::to_float(bytes[i + static_cast<std::size_t>(j)])) << i << " + " << j;
+    const int n = static_cast<int>(i % W);
+    std::fill(got.begin(), got.end(), -1.0f);
+    Vec::load_partial(bytes.data() + i, n).store(got.data());
+    for (int j = 0; j < W; ++j)
+      ASSERT_EQ(got[static_cast<std::size_t>(j)], j < n ? kvattn::to_float(bytes[i + static_cast<std::size_t>(j)]) : 0.0f) << i << " + " << j;
+  }
+}
+
+TEST(Fp8Row, QuantizesAsDefined) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (std::size_t n : {1u, 7u, 64u, 128u, 129u}) {
+    SCOPED_TRACE(n);
+    std::vector<float> x(n);
+    for (float& v : x) v = normal(rng) * 3.0f;
+    x[n / 2] *= 1000.0f;  // some values fall to the subnormals
+    std::vector<fp8_e4m3_row> q(n);
+    const float stored = Fp8::quantize_row(x.data(), q.data(), n);
+    float amax = 0;
+    for (float v : x) amax = std::max(amax, std::fabs(v));
+    ASSERT_EQ(stored, amax / 448.0f * 256.0f);  // the page holds s · 2^8
+    const float s = amax / 448.0f, inv = 448.0f / amax;
+    for (std::size_t i = 0; i < n; ++i) {
+      EXPECT_EQ(q[i].bits, kvattn::fp8_e4m3_encode(x[i] * inv)) << "element " << i;
+      EXPECT_EQ(static_cast<double>(Fp8::dequantize(q[i], stored)), static_cast<double>(static_cast<float>(e4m3_value(q[i].bits) * s)))
+          << "element " << i;
+      // Half a step: 2^-4 of the value for normals, 2^-10 · s below 2^-6 · s.
+      EXPECT_LE(std::fabs(Fp8::dequantize(q[i], stored) - x[i]), std::max(std::fabs(x[i]) / 16, std::ldexp(s, -10)) * (1 + 1e-6f)) << i;
+    }
+    const auto top = std::max_element(x.begin(), x.end(), [](float a, float b) { return std::fabs(a) < std::fabs(b); });
+    EXPECT_EQ(q[static_cast<std::size_t>(top - x.begin())].bits & 0x7F, 0x7E);  // the largest value: ±448 · s
+  }
+}
+
+TEST(Fp8Row, ZerosConstantsAndNonFiniteValues) {
+  std::vector<fp8_e4m3_row> q(5);
+  const std::vector<float> zeros(5, 0.0f);
+  EXPECT_EQ(Fp8::quantize_row(zeros.data(), q.data(), 5), 0.0f);
+  for (auto v : q) EXPECT_EQ(v.bits, 0);
+  const std::vector<float> constant(5, -0.3f);  // every value the extreme, read back as -0.3
+  const float s = Fp8::quantize_row(constant.data(), q.data(), 5);
+  for (auto v : q) EXPECT_EQ(v.bits, 0xFE);
+  EXPECT_NEAR(Fp8::dequantize(q[0], s), -0.3f, 1e-7f);
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    const std::vector<float> x = {1.0f, bad, -2.0f};
+    const float sn = Fp8::quantize_row(x.data(), q.data(), 3);
+    EXPECT_TRUE(std::isnan(sn)) << bad;
+    for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isnan(Fp8::dequantize(q[static_cast<std::size_t>(i)], sn))) << bad;
+  }
+}
+
 TEST(Int8Cache, PagesEndInAnAlignedScaleBlock) {
   for (int page : {1, 7, 16, 64})
     for (const GqaShape& shape : {GqaShape::gqa(8, 2, 128), GqaShape::gqa(3, 3, 7), GqaShape::mqa(4, 80)}) {
@@ -285,6 +406,7 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   // For comparison: ggml bounds every format's flash attention at NMSE <= 5e-4 in its own test.
   const GqaShape shape = GqaShape::gqa(32, 8, 128);
   double worst_int8 = 0, worst_rotated = 0, worst_bf16 = 0, worst_int8_q = 0, worst_rotated_q = 0, worst_rotated_qp = 0;
+  double worst_fp8 = 0, worst_fp8_rotated = 0;
   for (std::int64_t L : {256, 2048}) {
     const RealisticInputs in = realistic(shape, L, static_cast<unsigned>(L));
     const double bf16 = decode_nmse<kvattn::bf16>(shape, L, in), fp16 = decode_nmse<kvattn::fp16>(shape, L, in);
@@ -293,9 +415,13 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
     const double rotated_q = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true);
     const double int8_qp = decode_nmse<int8_row>(shape, L, in, true, true);
     const double rotated_qp = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true, true);
-    std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e; "
-                "int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: int8 %.2e, int8_hadamard %.2e\n",
-                static_cast<long long>(L), bf16, fp16, int8, rotated, int8_q, rotated_q, int8_qp, rotated_qp);
+    const double fp8 = decode_nmse<fp8_e4m3_row>(shape, L, in), fp8_rotated = decode_nmse<kvattn::hadamard<fp8_e4m3_row>>(shape, L, in);
+    std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e, fp8 %.2e, "
+                "fp8_hadamard %.2e; int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: int8 %.2e, "
+                "int8_hadamard %.2e\n",
+                static_cast<long long>(L), bf16, fp16, int8, rotated, fp8, fp8_rotated, int8_q, rotated_q, int8_qp, rotated_qp);
+    worst_fp8 = std::max(worst_fp8, fp8);
+    worst_fp8_rotated = std::max(worst_fp8_rotated, fp8_rotated);
     worst_rotated_qp = std::max(worst_rotated_qp, rotated_qp);
     worst_int8_q = std::max(worst_int8_q, int8_qp);
     worst_int8_q = std::max(worst_int8_q, int8_q);
@@ -317,6 +443,14 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   EXPECT_LT(worst_rotated_q, 2e-3);
   // 8-bit probabilities too (DecodeParams::u8_probabilities) add almost nothing (9.8e-4).
   EXPECT_LT(worst_rotated_qp, 2e-3);
+  // fp8 e4m3 (4.5e-3 here): a step relative to each value (3 mantissa bits), not one step for the
+  // whole row as int8's, so the outlier channels cost it little, and the largest value is exact.
+  // Rotated, every value is about the same size and none is exact: its keys' error is a
+  // Gaussian row's (about 3x the unrotated one's on these keys) and the output's about 4x worse
+  // (2.1e-2). The rotation buys fp8 nothing; it is there for completeness.
+  EXPECT_LT(worst_fp8, 1e-2);
+  EXPECT_LT(worst_fp8, worst_int8 / 3);
+  EXPECT_LT(worst_fp8_rotated, 5e-2);
 }
 
 }  // namespace

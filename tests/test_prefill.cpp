@@ -2,7 +2,7 @@
 // attention of the last n tokens of a sequence), and the identities it must keep: any chunking
 // equals one-shot prefill, decode after prefill equals the prefill's last row, paged equals
 // contiguous. Shapes: group sizes 1, 3, 4, 8 and groups = heads; head sizes 64, 128, 256 and odd
-// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16, bf16 and int8_row storage;
+// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16, bf16, int8_row and fp8_e4m3_row storage;
 // the scalar and the native path. Same element-wise bound as decode:
 // |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref|, |lse - ref| <= 2e-5 · (1 + |ref|) + e_s,
 // where e_s = 2^-23 · scale · head_dim · max|q| · max|k| is the rounding of one fp32 score (it
@@ -108,6 +108,9 @@ TYPED_TEST(Prefill, MatchesReferenceOverShapes) {
   check_against_reference<kvattn::int8_row, Isa>(GqaShape::mha(3, 80), 16, {45});
   check_against_reference<kvattn::hadamard<kvattn::int8_row>, Isa>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
   check_against_reference<kvattn::hadamard<kvattn::int8_row>, Isa>(GqaShape::gqa(4, 1, 128), 16, {40});
+  for (int group : {1, 3, 8}) check_against_reference<kvattn::fp8_e4m3_row, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_against_reference<kvattn::fp8_e4m3_row, Isa>(GqaShape::mha(3, 80), 16, {45});
+  check_against_reference<kvattn::hadamard<kvattn::fp8_e4m3_row>, Isa>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
 }
 
 TYPED_TEST(Prefill, LongPromptAndBlocks) {

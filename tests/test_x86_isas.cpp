@@ -10,7 +10,7 @@
 // query blocks, variants; MLA decode in latent space (mla_decode) over DeepSeek-V2's head layout
 // and awkward widths, several queries, split, threaded, huge logits; RoPE in both styles, whole
 // and partial widths; fp16 and bf16 to fp32 and back. Storage fp32, fp16 and bf16 throughout,
-// and int8_row for decode and prefill.
+// and int8_row and fp8_e4m3_row for decode and prefill.
 //
 // Bounds, the same as the tests of the native path:
 //  - decode and prefill, element-wise against reference.hpp (test_decode.cpp, test_prefill.cpp):
@@ -140,6 +140,7 @@ template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::
   check_decode<Isa, kvattn::fp16>(c, pool, which);
   check_decode<Isa, kvattn::bf16>(c, pool, which);
   check_decode<Isa, kvattn::int8_row>(c, pool, which);
+  check_decode<Isa, kvattn::fp8_e4m3_row>(c, pool, which);
   if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check_decode<Isa, kvattn::hadamard<kvattn::int8_row>>(c, pool, which);
 }
 
@@ -292,6 +293,8 @@ TYPED_TEST(IsaPrefill, MatchesReferenceOverShapes) {
   for (int group : {1, 3, 8}) check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
   check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(4, 2, 80), 1, {33});
   check_prefill<TypeParam, kvattn::hadamard<kvattn::int8_row>>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
+  for (int group : {1, 3}) check_prefill<TypeParam, kvattn::fp8_e4m3_row>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_prefill<TypeParam, kvattn::fp8_e4m3_row>(GqaShape::gqa(4, 2, 80), 1, {33});
 }
 
 TYPED_TEST(IsaPrefill, LongPromptAndBlocks) {

@@ -9,7 +9,8 @@
 //    a scale per 32), for formats the cache does not have; byte counts of widths that do not
 //    fill whole bytes round up once, at the level asked for (the cache as one packed stream),
 //    never per element;
-//  - a KV format of the cache (KvFormat: fp32, fp16, bf16, int8, int8_hadamard; format.hpp),
+//  - a KV format of the cache (KvFormat: fp32, fp16, bf16, int8, int8_hadamard, fp8,
+//    fp8_hadamard; format.hpp),
 //    exactly: its values plus one scale per row for the 8-bit formats,
 //      MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
 //      MLA             (latent_dim + rope_dim) · bits / 8   (formats without scales only)
@@ -127,7 +128,8 @@ template <class F> struct format_traits;  // format.hpp: name, bits, row_scale, 
 /// A KV format as the arithmetic sees it: `bits` per value (whole bytes: 8, 16, 32 or 64),
 /// `scale_bytes` per row (a row: one token's head_dim values of one KV head; 0: no scale), and
 /// whether rows are rotated (head_dim then a power of two up to kMaxRotatedDim). The shipped
-/// formats are kv_formats::fp32, fp16, bf16, int8 and int8_hadamard; KvFormat::of<F>() reads
+/// formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8 and fp8_hadamard;
+/// KvFormat::of<F>() reads
 /// format_traits<F> (format.hpp must then be included), KvFormat::parse finds one by name.
 ///
 /// A format with a scale per row, or a rotated one, holds GQA-family caches only (its scales and
@@ -153,10 +155,11 @@ class KvFormat {
     return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated);
   }
 
-  /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8" or "int8_hadamard".
+  /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8", "int8_hadamard", "fp8"
+  /// or "fp8_hadamard".
   /// Throws kvattn::invalid_argument naming `name` and the valid names otherwise.
   static KvFormat parse(std::string_view name);
-  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard".
+  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard".
   static std::string names();
 
   constexpr std::string_view name() const noexcept { return name_; }
@@ -249,7 +252,9 @@ inline constexpr KvFormat fp16{"fp16", 16};
 inline constexpr KvFormat bf16{"bf16", 16};
 inline constexpr KvFormat int8{"int8", 8, 4};                   ///< int8_row: one fp32 scale per row
 inline constexpr KvFormat int8_hadamard{"int8_hadamard", 8, 4, true};  ///< hadamard<int8_row>
-inline constexpr std::array<KvFormat, 5> all{fp32, fp16, bf16, int8, int8_hadamard};
+inline constexpr KvFormat fp8{"fp8", 8, 4};                     ///< fp8_e4m3_row: one fp32 scale per row
+inline constexpr KvFormat fp8_hadamard{"fp8_hadamard", 8, 4, true};  ///< hadamard<fp8_e4m3_row>
+inline constexpr std::array<KvFormat, 7> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard};
 }  // namespace kv_formats
 
 inline std::string KvFormat::names() {

@@ -18,7 +18,20 @@
 //                      A row of zeros has scale 0 (and reads as zeros). A row holding a NaN or
 //                      an infinity stores scale = NaN and q = 0: every value of it reads as NaN,
 //                      so a non-finite input is never hidden.
-//   hadamard<int8_row> int8_row of the row rotated by the orthonormal Walsh–Hadamard transform
+//   fp8_e4m3_row       fp8 e4m3 (OCP "e4m3fn": 1 sign, 4 exponent bits of bias 7, 3 mantissa
+//                      bits; largest 448, no infinity), one fp32 scale per (token, KV head):
+//                        s = max_i |x_i| / 448,  q_i = e4m3(x_i / s)  (to nearest, ties to even),
+//                        x_i ≈ q_i · s.
+//                      The encoder never rounds past 448: a value beyond it (only rounding can
+//                      make one) saturates to ±448, and the NaN codes (0x7F, 0xFF) are never
+//                      written. A row of zeros and a row holding NaN or an infinity are stored
+//                      as int8_row's are: scale 0, and scale NaN with q = 0 (every value NaN).
+//                      Kernels convert a byte b to the fp16 whose bits are ((b & 0x80) << 8) |
+//                      ((b & 0x7F) << 7): e4m3's exponent and mantissa fields placed in fp16's,
+//                      which is exactly q · 2^-8 (subnormals included: F16C's and NEON's fp16
+//                      conversions, one instruction); the page's scale block therefore holds
+//                      s · 2^8, and to_float(fp8_e4m3_row) gives q · 2^-8 (both exact).
+//   hadamard<F>        F (int8_row or fp8_e4m3_row) of the row rotated by the orthonormal Walsh–Hadamard transform
 //                      H (H = Hᵀ = H⁻¹, head_dim a power of two, up to kMaxRotatedDim): keys and
 //                      values are stored as Q(H·x); decode and prefill rotate the query by the
 //                      same H, so scores are unchanged in exact arithmetic ((Hq)·(Hk) = q·k), and
@@ -26,14 +39,16 @@
 //                      outlier channels (real key caches have them, 20-50x the rest) then no
 //                      longer set the whole row's scale: their energy is spread over the row.
 //
-// Kernels read a row through simd::Vec::load (simd.hpp: the int8 values as floats) and apply the
-// row's scale once per token: to the score of its key and to the probability of its value.
+// Kernels read a row through simd::Vec::load (simd.hpp: the stored values as floats, to_float
+// below) and apply the row's scale once per token: to the score of its key and to the
+// probability of its value.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string_view>
 #include <type_traits>
@@ -49,6 +64,49 @@ struct int8_row {
   std::int8_t q = 0;
 };
 static_assert(sizeof(int8_row) == 1, "kvattn: int8_row must be one byte");
+
+/// fp8 e4m3 with one fp32 scale per row (see the top of this file): the byte of one value of a
+/// row; the row's scale (times 2^8) is in its page's scale block.
+struct fp8_e4m3_row {
+  std::uint8_t bits = 0;
+};
+static_assert(sizeof(fp8_e4m3_row) == 1, "kvattn: fp8_e4m3_row must be one byte");
+
+/// The e4m3 code nearest |x| (ties to the even code), for 0 <= |x|; codes past 0x7E (448)
+/// saturate to it, and NaN gives 0x7E too (callers never pass one). Sign: bit 7, from x's.
+inline std::uint8_t fp8_e4m3_encode(float x) noexcept {
+  std::uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const std::uint8_t sign = static_cast<std::uint8_t>((u >> 24) & 0x80u);
+  u &= 0x7FFFFFFFu;
+  float a;
+  std::memcpy(&a, &u, sizeof a);
+  std::uint32_t code;
+  if (!(a < 464.0f)) {  // at or past the midpoint of 448 and the next step (480), or NaN
+    code = 0x7E;
+  } else if (a < 0.015625f) {  // below the smallest normal, 2^-6: subnormal steps of 2^-9
+    code = static_cast<std::uint32_t>(std::nearbyint(a * 512.0f));  // 8 is the smallest normal's code
+  } else {  // round fp32's 23 mantissa bits to 3, to nearest even, and rebias 127 -> 7
+    u += 0x7FFFFu + ((u >> 20) & 1u);
+    code = (u >> 20) - ((127u - 7u) << 3);
+    code = std::min(code, 0x7Eu);
+  }
+  return static_cast<std::uint8_t>(sign | code);
+}
+
+/// The value of an e4m3 code times 2^-8, exactly: what the SIMD loads compute by reading the
+/// code's fields as fp16's.
+inline float fp8_e4m3_decode_scaled(std::uint8_t b) noexcept {
+  float v;
+  if (b & 0x78u) {  // normal: exponent e - 7 - 8, rebiased to fp32's 127; mantissa in the top bits
+    const std::uint32_t u = ((b & 0x80u) << 24) | (((b & 0x7Fu) << 20) + (112u << 23));
+    std::memcpy(&v, &u, sizeof v);
+  } else {  // subnormal: m · 2^-9 · 2^-8
+    v = static_cast<float>(b & 0x7u) * 0x1p-17f;
+    if (b & 0x80u) v = -v;
+  }
+  return v;
+}
 
 /// F stored rotated by the Walsh–Hadamard transform (see the top of this file): one value of a row.
 template <class F> struct hadamard : F {};
@@ -84,9 +142,31 @@ template <> struct format_traits<fp32> : plain_format_traits<fp32> {};
 template <> struct format_traits<fp16> : plain_format_traits<fp16> {};
 template <> struct format_traits<bf16> : plain_format_traits<bf16> {};
 
+/// The quantization of the 8-bit formats: s = max_i |src_i| / kmax, dst_i = encode(src_i / s);
+/// returns s. A row of zeros gets s = 0 and a row holding NaN or an infinity s = NaN, both with
+/// every dst_i = U{} (zero bits).
+template <class Src, class U, class Encode>
+float quantize_by_row_max(const Src* src, U* dst, std::size_t n, float kmax, Encode encode) noexcept {
+  float amax = 0.0f;
+  bool finite = true;
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = to_float(src[i]);
+    finite = finite && std::isfinite(x);
+    amax = std::max(amax, std::fabs(x));
+  }
+  if (!finite || amax == 0.0f) {
+    for (std::size_t i = 0; i < n; ++i) dst[i] = U{};
+    return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float inv = kmax / amax;
+  for (std::size_t i = 0; i < n; ++i) dst[i] = encode(to_float(src[i]) * inv);
+  return amax / kmax;
+}
+
 template <> struct format_traits<int8_row> {
   using unit = int8_row;
   static constexpr std::string_view name = "int8";
+  static constexpr std::string_view rotated_name = "int8_hadamard";
   static constexpr int bits = 8;
   static constexpr bool row_scale = true;
   static constexpr bool rotated = false;
@@ -95,48 +175,54 @@ template <> struct format_traits<int8_row> {
   /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale (0 for a row of zeros, NaN
   /// for a row holding a non-finite value).
   template <class Src> static float quantize_row(const Src* src, int8_row* dst, std::size_t n) noexcept {
-    float amax = 0.0f;
-    bool finite = true;
-    for (std::size_t i = 0; i < n; ++i) {
-      const float x = to_float(src[i]);
-      finite = finite && std::isfinite(x);
-      amax = std::max(amax, std::fabs(x));
-    }
-    if (!finite || amax == 0.0f) {
-      for (std::size_t i = 0; i < n; ++i) dst[i].q = 0;
-      return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-    }
-    const float inv = kMax / amax;
-    for (std::size_t i = 0; i < n; ++i) {
-      const float r = std::nearbyint(to_float(src[i]) * inv);
-      dst[i].q = static_cast<std::int8_t>(std::min(kMax, std::max(-kMax, r)));
-    }
-    return amax / kMax;
+    return quantize_by_row_max(src, dst, n, kMax, [](float x) {
+      return int8_row{static_cast<std::int8_t>(std::min(kMax, std::max(-kMax, std::nearbyint(x))))};
+    });
   }
   static float dequantize(int8_row x, float scale) noexcept { return static_cast<float>(x.q) * scale; }
 };
 
-template <> struct format_traits<hadamard<int8_row>> {
-  using unit = hadamard<int8_row>;
-  static constexpr std::string_view name = "int8_hadamard";
+template <> struct format_traits<fp8_e4m3_row> {
+  using unit = fp8_e4m3_row;
+  static constexpr std::string_view name = "fp8";
+  static constexpr std::string_view rotated_name = "fp8_hadamard";
   static constexpr int bits = 8;
+  static constexpr bool row_scale = true;
+  static constexpr bool rotated = false;
+  static constexpr float kMax = 448.0f;
+
+  /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale times 2^8 (0 for a row of
+  /// zeros, NaN for a row holding a non-finite value).
+  template <class Src> static float quantize_row(const Src* src, fp8_e4m3_row* dst, std::size_t n) noexcept {
+    return quantize_by_row_max(src, dst, n, kMax, [](float x) { return fp8_e4m3_row{fp8_e4m3_encode(x)}; }) * 256.0f;
+  }
+  /// `scale` as the page holds it (s · 2^8).
+  static float dequantize(fp8_e4m3_row x, float scale) noexcept { return fp8_e4m3_decode_scaled(x.bits) * scale; }
+};
+
+/// F's quantization of the row rotated by the Walsh–Hadamard transform (see the top of this file).
+template <class F> struct format_traits<hadamard<F>> {
+  using unit = hadamard<F>;
+  static constexpr std::string_view name = format_traits<F>::rotated_name;
+  static constexpr int bits = format_traits<F>::bits;
   static constexpr bool row_scale = true;
   static constexpr bool rotated = true;
 
-  /// src [n] -> H src / sqrt(n) -> int8_row's quantization; n a power of two <= kMaxRotatedDim.
-  template <class Src> static float quantize_row(const Src* src, hadamard<int8_row>* dst, std::size_t n) noexcept {
+  /// src [n] -> H src / sqrt(n) -> F's quantization; n a power of two <= kMaxRotatedDim.
+  template <class Src> static float quantize_row(const Src* src, hadamard<F>* dst, std::size_t n) noexcept {
     float x[kMaxRotatedDim];
     for (std::size_t i = 0; i < n; ++i) x[i] = to_float(src[i]);
     hadamard_rotate(x, static_cast<int>(n));
-    return format_traits<int8_row>::quantize_row(x, static_cast<int8_row*>(dst), n);
+    return format_traits<F>::quantize_row(x, static_cast<F*>(dst), n);
   }
   /// One value in the rotated basis (the row is rotated back after: hadamard_rotate).
-  static float dequantize(int8_row x, float scale) noexcept { return format_traits<int8_row>::dequantize(x, scale); }
+  static float dequantize(F x, float scale) noexcept { return format_traits<F>::dequantize(x, scale); }
 };
 
 /// True for the types a cache can be made of: fp32, fp16, bf16 and the formats above.
 template <class F>
-inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>>;
+inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>> ||
+                                       std::is_same_v<F, fp8_e4m3_row> || std::is_same_v<F, hadamard<fp8_e4m3_row>>;
 
 /// True for the formats whose values are int8 with a scale per row: int8_row, hadamard<int8_row>.
 template <class F>
@@ -144,5 +230,8 @@ inline constexpr bool is_int8_format_v = std::is_same_v<F, int8_row> || std::is_
 
 /// The value of one stored int8 (its row's scale not applied), for simd::Vec's loads.
 inline float to_float(int8_row x) noexcept { return static_cast<float>(x.q); }
+/// The value of one stored e4m3 byte times 2^-8 (its row's scale, which carries the 2^8, not
+/// applied), for simd::Vec's loads.
+inline float to_float(fp8_e4m3_row x) noexcept { return fp8_e4m3_decode_scaled(x.bits); }
 
 }  // namespace kvattn

@@ -6,7 +6,7 @@
 // reference-counted: fork() gives a child every page of its parent, and the first write into a
 // shared page copies that page, in every layer, for the writer (copy-on-write).
 //
-// Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, hadamard<int8_row>), in the
+// Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, fp8_e4m3_row, hadamard<>), in the
 // memory space M:
 //   pool   [layers][num_pages][page_stride]        layer_stride = num_pages · page_stride
 // and within one page of one layer (PageLayout, in units of T):
@@ -230,7 +230,7 @@ struct CacheStats {
 };
 
 template <class T, class M = HostMemory> class PagedKvCache {
-  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row or hadamard<int8_row> (format.hpp)");
+  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, or hadamard<> of the two (format.hpp)");
 
  public:
   using element_type = T;  ///< the format: format_traits<T>

@@ -3,7 +3,8 @@
 // Vec<Isa> holds Vec<Isa>::lanes floats. Generic kernels use only these operations; each
 // instruction set specializes Vec with its intrinsics, and Vec<isa::scalar> (one lane) is plain
 // C++, so the scalar kernel reads like the math. Loads convert from the storage type (fp32,
-// fp16, bf16, and int8_row's values without their row's scale, which kernels apply per token);
+// fp16, bf16, and the 8-bit formats' values without their row's scale, which kernels apply per
+// token: format.hpp's to_float);
 // load_partial / store_partial touch only the first n lanes (0 <= n < lanes).
 //
 // Two operations exist for kernels that stream keys and values:
@@ -93,6 +94,15 @@ template <> struct Vec<isa::avx2> {
   static Vec load(const int8_row* p) noexcept {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
+  // fp8 e4m3 bytes b as the fp16 ((b & 0x80) << 8) | ((b & 0x7F) << 7) (format.hpp): each byte
+  // in the high half of a 16-bit lane, shifted right by one with its sign, bit 14 cleared.
+  static __m128i fp8_as_fp16(__m128i bytes_high) noexcept {
+    return _mm_and_si128(_mm_srai_epi16(bytes_high, 1), _mm_set1_epi16(static_cast<short>(0xBFFF)));
+  }
+  static Vec load(const fp8_e4m3_row* p) noexcept {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return {_mm256_cvtph_ps(fp8_as_fp16(_mm_unpacklo_epi8(_mm_setzero_si128(), b)))};
+  }
   template <class T> static Vec load_partial(const T* p, int n) noexcept {
     T tmp[lanes] = {};
     std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
@@ -141,6 +151,11 @@ template <> struct Vec<isa::avx2> {
     a.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(w));
     b.v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(w, w)));
   }
+  static void load_pair(const fp8_e4m3_row* p, Vec& a, Vec& b) noexcept {  // one load of 16 bytes
+    const __m128i w = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    a.v = _mm256_cvtph_ps(fp8_as_fp16(_mm_unpacklo_epi8(_mm_setzero_si128(), w)));
+    b.v = _mm256_cvtph_ps(fp8_as_fp16(_mm_unpackhi_epi8(_mm_setzero_si128(), w)));
+  }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -162,6 +177,7 @@ template <> struct Vec<isa::avx2> {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593, as in storage.hpp
+#pragma GCC diagnostic ignored "-Wuninitialized"        // the same, as -O1 reports it
 #endif
 template <> struct Vec<isa::avx512> {
   static constexpr int lanes = 16;
@@ -187,6 +203,13 @@ template <> struct Vec<isa::avx512> {
   static Vec load_partial(const int8_row* p, int n) noexcept {
     return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask(n), p)))};
   }
+  // fp8 e4m3 bytes as fp16 (format.hpp; as Vec<avx2>::fp8_as_fp16, 16 at a time).
+  static Vec fp8_to_float(__m128i bytes) noexcept {
+    const __m256i high = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+    return {_mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16(static_cast<short>(0xBFFF))))};
+  }
+  static Vec load(const fp8_e4m3_row* p) noexcept { return fp8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static Vec load_partial(const fp8_e4m3_row* p, int n) noexcept { return fp8_to_float(_mm_maskz_loadu_epi8(mask(n), p)); }
   void store(float* p) const noexcept { _mm512_storeu_ps(p, v); }
   void store_partial(float* p, int n) const noexcept { _mm512_mask_storeu_ps(p, mask(n), v); }
   friend Vec fma(Vec a, Vec b, Vec c) noexcept { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
@@ -255,6 +278,17 @@ template <> struct Vec<isa::neon> {
     const int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(w)));
     return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)))};
   }
+  // fp8 e4m3 bytes as fp16 (format.hpp): each byte widened into the high half of a 16-bit lane,
+  // shifted right by one with its sign, bit 14 cleared.
+  static float16x8_t fp8_as_fp16(uint8x8_t bytes) noexcept {
+    const int16x8_t high = vreinterpretq_s16_u16(vshll_n_u8(bytes, 8));
+    return vreinterpretq_f16_s16(vandq_s16(vshrq_n_s16(high, 1), vdupq_n_s16(static_cast<std::int16_t>(0xBFFF))));
+  }
+  static Vec load(const fp8_e4m3_row* p) noexcept {
+    std::uint32_t w;
+    std::memcpy(&w, p, sizeof w);
+    return {vcvt_f32_f16(vget_low_f16(fp8_as_fp16(vreinterpret_u8_u32(vdup_n_u32(w)))))};
+  }
   template <class T> static Vec load_partial(const T* p, int n) noexcept {
     T tmp[lanes] = {};
     std::memcpy(static_cast<void*>(tmp), static_cast<const void*>(p), sizeof(T) * static_cast<std::size_t>(n));
@@ -294,6 +328,11 @@ template <> struct Vec<isa::neon> {
     const int16x8_t h = vmovl_s8(vld1_s8(reinterpret_cast<const std::int8_t*>(p)));
     a.v = vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
     b.v = vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)));
+  }
+  static void load_pair(const fp8_e4m3_row* p, Vec& a, Vec& b) noexcept {  // one load of 8 bytes
+    const float16x8_t h = fp8_as_fp16(vld1_u8(reinterpret_cast<const std::uint8_t*>(p)));
+    a.v = vcvt_f32_f16(vget_low_f16(h));
+    b.v = vcvt_f32_f16(vget_high_f16(h));
   }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const uint32x4_t w = vld1q_u32(reinterpret_cast<const std::uint32_t*>(p));
