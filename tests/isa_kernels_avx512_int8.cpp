@@ -1,4 +1,5 @@
-// kvattn's AVX-512 kernels (isa_kernels.hpp) for int8_row and hadamard<int8_row> storage,
+// kvattn's AVX-512 kernels (isa_kernels.hpp) for int8_row storage (the
+// rotation of hadamard<int8_row> is the same code on every ISA: test_decode checks it natively),
 // compiled with -march=x86-64-v4 whatever the machine that builds them has (tests/CMakeLists.txt);
 // test_x86_isas.cpp runs them where the CPU can. Decode and prefill only: MLA caches and
 // convert_row do not take int8.
@@ -7,4 +8,3 @@
 static_assert(KVATTN_HAS_AVX512, "isa_kernels_avx512_int8.cpp must be compiled with -march=x86-64-v4");
 
 ISA_KERNELS_INSTANTIATE_QUANTIZED(kvattn::isa::avx512, kvattn::int8_row)
-ISA_KERNELS_INSTANTIATE_QUANTIZED(kvattn::isa::avx512, kvattn::hadamard<kvattn::int8_row>)
