@@ -82,6 +82,7 @@
 // 105593, as in kvattn/simd.hpp and bench/prefill.cpp); hence off for this whole file.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
 #include "bench_common.hpp"

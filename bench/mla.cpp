@@ -24,6 +24,7 @@
 // (GCC bug 105593, a false positive; as in bench/prefill.cpp).
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
 #include "bench_common.hpp"

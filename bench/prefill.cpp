@@ -16,6 +16,7 @@
 // inlined here (GCC bug 105593, a false positive); the baseline's GEMMs are the only cause.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
 #include "bench_common.hpp"

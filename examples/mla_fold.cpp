@@ -12,6 +12,7 @@
 // GCC 12 reports -Wmaybe-uninitialized inside Eigen's AVX-512 matrix products once they are
 // inlined here (GCC bug 105593, a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
 #include <kvattn/budget.hpp>

@@ -21,6 +21,7 @@
 // GCC 12 reports -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM code once it is inlined
 // into the layer functions (GCC bug 105593, a false positive; as in bench/prefill.cpp).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
 #include <kvattn/mla.hpp>
@@ -37,6 +38,7 @@
 #include <vector>
 
 #include "cache_snapshot.hpp"
+#include "isa_tags.hpp"
 #include "mla_reference.hpp"
 #include "rope_reference.hpp"
 
@@ -51,9 +53,7 @@ using kvattn::SeqId;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
+using isa_tags::IsaTag;
 
 using checks::uniform;
 
@@ -81,7 +81,7 @@ std::vector<float> check_kernel(const KernelCase& c, unsigned seed = 1, PF&& pf 
 }
 
 template <class P> class MlaKernel : public ::testing::Test {};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
+using isa_tags::Isas;
 TYPED_TEST_SUITE(MlaKernel, Isas);
 
 const MlaShape kV2{128, 512, 64, 128, 128, 1536};

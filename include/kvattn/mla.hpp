@@ -25,9 +25,9 @@
 // multiplies them in double and rounds once. Matrix work goes through Eigen (single-threaded);
 // attention in mla_decode_layer through the caller's parallel-for. The rotary embedding is plain
 // RoPE of any base (DeepSeek's YaRN rescaling of the frequencies is not applied).
-// (GCC 12 with AVX-512 may report -Wmaybe-uninitialized inside Eigen's matrix products inlined
-// into these functions: GCC bug 105593, a false positive; kvattn's own programs that include
-// this header turn that warning off.)
+// (GCC 12 with AVX-512 may report -Wmaybe-uninitialized, or at -O1 and -O2 -Wuninitialized,
+// inside Eigen's matrix products inlined into these functions: GCC bug 105593, a false
+// positive; kvattn's own programs that include this header turn those warnings off.)
 #pragma once
 
 #include <Eigen/Core>
