@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "attention_checks.hpp"
+#include "isa_tags.hpp"
 #include "policy_checks.hpp"
 
 namespace decode_check {
@@ -58,10 +59,8 @@ void check_all_storage(const Case& c, PF&& pf = PF{}) {
   }
 }
 
-/// The ISAs every decode test runs, as gtest type parameters: the scalar path and the native one.
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
+/// The ISAs every decode test runs, as gtest type parameters (isa_tags.hpp).
+using isa_tags::IsaTag;
+using isa_tags::Isas;
 
 }  // namespace decode_check

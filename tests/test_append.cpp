@@ -41,6 +41,7 @@
 
 #include "attention_checks.hpp"
 #include "cache_snapshot.hpp"
+#include "isa_tags.hpp"
 #include "rope_reference.hpp"
 
 namespace {
@@ -193,10 +194,8 @@ void run_chunks(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, int layer, co
   }
 }
 
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
+using isa_tags::IsaTag;
+using isa_tags::Isas;
 template <class P> class RopeAppend : public ::testing::Test {};
 TYPED_TEST_SUITE(RopeAppend, Isas);
 

@@ -21,6 +21,7 @@
 
 #include "attention_checks.hpp"
 #include "cache_snapshot.hpp"
+#include "isa_tags.hpp"
 #include "policy_checks.hpp"
 #include "reference.hpp"
 
@@ -85,10 +86,8 @@ void check_against_reference(const GqaShape& s, int page, std::vector<std::int64
   expect_lse_close(lse, ref_lse, "lse", e_s);
 }
 
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
+using isa_tags::IsaTag;
+using isa_tags::Isas;
 template <class P> class Prefill : public ::testing::Test {};
 TYPED_TEST_SUITE(Prefill, Isas);
 

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "isa_tags.hpp"
 #include "rope_reference.hpp"
 
 namespace {
@@ -57,10 +58,8 @@ std::string describe(const RopeConfig& c) {
                                 " rotary_dim=", c.rotary_dim, " base=", c.base);
 }
 
-template <class Isa> struct IsaTag {
-  using type = Isa;
-};
-using Isas = ::testing::Types<IsaTag<kvattn::isa::scalar>, IsaTag<kvattn::isa::native>>;
+using isa_tags::IsaTag;
+using isa_tags::Isas;
 template <class P> class RopeKernel : public ::testing::Test {};
 TYPED_TEST_SUITE(RopeKernel, Isas);
 
