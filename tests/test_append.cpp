@@ -194,7 +194,6 @@ void run_chunks(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq, int layer, co
   }
 }
 
-using isa_tags::IsaTag;
 using isa_tags::Isas;
 template <class P> class RopeAppend : public ::testing::Test {};
 TYPED_TEST_SUITE(RopeAppend, Isas);

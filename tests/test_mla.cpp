@@ -53,8 +53,6 @@ using kvattn::SeqId;
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-using isa_tags::IsaTag;
-
 using checks::uniform;
 
 // ---- the kernel: mla_decode against double attention over the cached rows ----------------------

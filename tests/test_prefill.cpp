@@ -86,7 +86,6 @@ void check_against_reference(const GqaShape& s, int page, std::vector<std::int64
   expect_lse_close(lse, ref_lse, "lse", e_s);
 }
 
-using isa_tags::IsaTag;
 using isa_tags::Isas;
 template <class P> class Prefill : public ::testing::Test {};
 TYPED_TEST_SUITE(Prefill, Isas);

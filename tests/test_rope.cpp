@@ -58,7 +58,6 @@ std::string describe(const RopeConfig& c) {
                                 " rotary_dim=", c.rotary_dim, " base=", c.base);
 }
 
-using isa_tags::IsaTag;
 using isa_tags::Isas;
 template <class P> class RopeKernel : public ::testing::Test {};
 TYPED_TEST_SUITE(RopeKernel, Isas);
