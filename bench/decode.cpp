@@ -24,12 +24,13 @@
 //                    the (sequence, query head) pairs into two halves run by the same ThreadPool.
 //     shape  gqa32x8: 32 query heads, 8 KV heads (groups of 4); mha32x32: 32 and 32. Head size 128.
 //     dtype  bf16 or fp16 K/V storage, or int8 / fp8 (kvattn::int8_row, kvattn::fp8_e4m3_row:
-//            8-bit values and one fp32 scale per row, in the page's scale block; kvattn rows
+//            8-bit values and one fp32 scale per row, in the page's scale block), or fp8_layer
+//            (kvattn::fp8_e4m3_layer: 8-bit values, the scales the layer's; kvattn rows
 //            only: compare them with bf16's of the same run); queries and outputs fp32:
 //            q, out [B][1][32][128].
 //   One query per sequence (plain decode), every sequence C tokens long, pages of 16 tokens.
 //   bytes_per_second = B · C · kv_heads · 2 (K and V) · row bytes per step (128 · 2 for the 16-bit
-//   types, 128 + 4 for int8 and fp8: values and scale): the cache bytes
+//   types, 128 + 4 for int8 and fp8: values and scale, 128 for fp8_layer): the cache bytes
 //   decode must read, the same count for both implementations, so their ratio is direct and each
 //   compares with machine/read_bandwidth (printed at the end of the same run; the N-thread figure
 //   of one is the ceiling of the other). Every benchmark runs in wall time.
@@ -252,7 +253,9 @@ template <class T> struct Setup {
   /// The view of table i (mod the rotation), built as PagedKvCache::view builds it.
   PagedKvView<T> view(std::size_t i) const {
     const BatchPageTable& t = tables[i % tables.size()];
-    return PagedKvView<T>{pool, layout, t.indptr.data(), t.indices.data(), t.last_page_len.data(), t.batch()};
+    // A format with one scale per layer: 2^-8, so that its random codes read as ±[2^-17, 1.75].
+    const float s = kvattn::format_traits<T>::layer_scale ? 1.0f / 256 : 1.0f;
+    return PagedKvView<T>{pool, layout, t.indptr.data(), t.indices.data(), t.last_page_len.data(), t.batch(), kvattn::KvScales{s, s}};
   }
   std::string label(const std::string& what) const {
     return what + ", " + mib(bytes) + " K/V per step, " + std::to_string(tables.size()) + " table" +
@@ -439,7 +442,7 @@ template <class T> void register_family(const std::string& shape_name, const Gqa
     families.emplace_back(
         benchmark::RegisterBenchmark(("decode/kvattn_alibi" + suffix).c_str(), bm_kvattn<T, Policy::alibi>, shape), kMaxCacheBytes);
   }
-  if constexpr (!kvattn::format_traits<T>::row_scale)
+  if constexpr (kvattn::is_storage_type_v<T>)
     families.emplace_back(benchmark::RegisterBenchmark(("decode/eigen" + suffix).c_str(), bm_eigen<T>, shape), kEigenMaxBytes);
   if constexpr (kvattn::is_int8_format_v<T>)
     families.emplace_back(
@@ -469,6 +472,7 @@ const bool registered = [] {
   register_family<kvattn::int8_row>("gqa32x8", gqa, false);
   register_family<kvattn::int8_row>("mha32x32", mha, false);
   register_family<kvattn::fp8_e4m3_row>("gqa32x8", gqa, false);  // fp8 e4m3, a scale per row, likewise
+  register_family<kvattn::fp8_e4m3_layer>("gqa32x8", gqa, false);  // fp8 e4m3, the layer's scales, likewise
   kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();

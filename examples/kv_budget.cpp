@@ -269,6 +269,7 @@ std::string width_text(const kvattn::Workload& w) {
   const kvattn::KvFormat& f = *w.format;
   return kvattn::detail::concat(f.name(), " format (", f.bits(), "-bit values",
                                 f.row_scale() ? kvattn::detail::concat(", a ", f.scale_bytes(), "-byte scale per row") : "",
+                                f.layer_scale() ? ", one key and one value scale per layer" : "",
                                 f.rotated() ? ", rows Hadamard-rotated" : "", ")");
 }
 

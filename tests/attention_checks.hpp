@@ -127,6 +127,18 @@ inline policy_checks::Values policy_values(const DecodeCase& c) {
                                c.soft_cap, static_cast<unsigned>(c.lengths.size() * 31 + c.shape.q_heads));
 }
 
+/// Scales for a cache of `layers` layers of format T: for a format with one scale per layer
+/// (fp8_e4m3_layer), a key and a value scale that map keys and values in [-1, 1] to most of its
+/// range: 1 to codes 288 and 208, so that no value reads back larger than 1 (the bounds' max|k|
+/// and max|v|), and the two scales differ and are not powers of two (a scale applied twice, or
+/// to the wrong side, shows); none for the other formats.
+template <class T> std::vector<kvattn::KvScales> test_scales(int layers = 1) {
+  if constexpr (kvattn::format_traits<T>::layer_scale)
+    return std::vector<kvattn::KvScales>(static_cast<std::size_t>(layers), kvattn::KvScales{1.0f / 288, 1.0f / 208});
+  else
+    return {};
+}
+
 /// A one-layer cache holding the case's sequences, keys and values uniform in [-1, 1], and the
 /// queries q [batch][Q][q_heads][head_dim] (uniform in [-1, 1] times q_scale).
 template <class T> struct DecodeInputs {
@@ -135,7 +147,7 @@ template <class T> struct DecodeInputs {
   std::vector<float> q;
   float vmax = 0;  // max |v|
 
-  explicit DecodeInputs(const DecodeCase& c) : cache(config(c)) {
+  explicit DecodeInputs(const DecodeCase& c) : cache(config(c), test_scales<T>()) {
     std::mt19937 rng(static_cast<unsigned>(c.lengths.size() * 131 + c.shape.head_dim));
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     const int G = c.shape.kv_heads, D = c.shape.head_dim, H = c.shape.q_heads;

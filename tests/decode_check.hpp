@@ -38,8 +38,9 @@ void check(const Case& c, PF&& pf) {
 }
 
 /// check for fp32, fp16 and bf16 storage, and on the native ISA also int8_row, fp8_e4m3_row and,
-/// for the plain operator (the rotation is applied outside the score policies' hooks) and head sizes
-/// that are powers of two, hadamard<int8_row>; the 8-bit formats against the
+/// for the plain operator, fp8_e4m3_layer (its scales are folded into the softmax scale and the
+/// output, outside the score policies' hooks) and, for head sizes that are powers of two,
+/// hadamard<int8_row> (the rotation, likewise); the 8-bit formats against the
 /// reference on the cache's dequantized keys and values, which read() returns, so within the
 /// same bounds. The 8-bit formats' kernels are the 16-bit ones' with another load and a scale
 /// per token: what their portable path adds is checked where it is the native one (the scalar
@@ -54,8 +55,10 @@ void check_all_storage(const Case& c, PF&& pf = PF{}) {
   if constexpr (std::is_same_v<Isa, kvattn::isa::native>) {
     check<P, kvattn::int8_row, Isa>(c, pf);
     check<P, kvattn::fp8_e4m3_row, Isa>(c, pf);
-    if constexpr (std::is_same_v<P, kvattn::Plain>)
+    if constexpr (std::is_same_v<P, kvattn::Plain>) {
+      check<P, kvattn::fp8_e4m3_layer, Isa>(c, pf);
       if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check<P, kvattn::hadamard<kvattn::int8_row>, Isa>(c, pf);
+    }
   }
 }
 

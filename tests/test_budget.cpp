@@ -46,6 +46,7 @@ static_assert(KvFormat::of<kvattn::int8_row>() == kv_formats::int8);
 static_assert(KvFormat::of<kvattn::hadamard<kvattn::int8_row>>() == kv_formats::int8_hadamard);
 static_assert(KvFormat::of<kvattn::fp8_e4m3_row>() == kv_formats::fp8);
 static_assert(KvFormat::of<kvattn::hadamard<kvattn::fp8_e4m3_row>>() == kv_formats::fp8_hadamard);
+static_assert(KvFormat::of<kvattn::fp8_e4m3_layer>() == kv_formats::fp8_layer);
 static_assert(KvFormat::kMaxRotatedDim == kvattn::kMaxRotatedDim);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::int8}).bytes_per_token == 67584);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::bf16}).bytes_per_token == 131072);
@@ -271,9 +272,11 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
   EXPECT_EQ(KvFormat::parse("int8_hadamard"), kv_formats::int8_hadamard);
   EXPECT_EQ(KvFormat::parse("fp8"), kv_formats::fp8);
   EXPECT_EQ(KvFormat::parse("fp8_hadamard"), kv_formats::fp8_hadamard);
+  EXPECT_EQ(KvFormat::parse("fp8_layer"), kv_formats::fp8_layer);
+  EXPECT_NE(kv_formats::fp8_layer, (KvFormat{"fp8_layer", 8}));  // the per-layer scales are part of it
   EXPECT_NE(kv_formats::fp16, kv_formats::bf16);  // same width, another format
   EXPECT_NE(kv_formats::int8, kv_formats::fp8);
-  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard");
+  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer");
   for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 "}) {
     SCOPED_TRACE(bad);
     try {
@@ -282,7 +285,7 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
     } catch (const kvattn::invalid_argument& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("'" + std::string(bad) + "'"), std::string::npos) << what;
-      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard"), std::string::npos) << what;
+      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer"), std::string::npos) << what;
     }
   }
   EXPECT_THROW(KvFormat("q4", 4), kvattn::invalid_argument);  // values are whole bytes
@@ -311,6 +314,9 @@ TEST(Formats, ExactBytesPerTokenCountTheScales) {
   EXPECT_EQ(int8.bytes_per_token_layer - kvattn::footprint(m, Workload{1, 1, 8}).bytes_per_token_layer, 2u * 8 * 4);
   // The scale's share depends on the head size: MQA of head_dim 7, 3 layers: 2·(7 + 4)·3.
   EXPECT_EQ(kvattn::footprint(Model{"m", 3, GqaShape::mqa(5, 7)}, Workload{1, 1, kv_formats::int8}).bytes_per_token, 66u);
+  // fp8_layer's scales are the cache's, not its pages': 8 bits exactly, as a uniform width.
+  EXPECT_EQ(kvattn::footprint(m, Workload{4096, 3, kv_formats::fp8_layer}).bytes_per_batch,
+            kvattn::footprint(m, Workload{4096, 3, 8}).bytes_per_batch);
   // A format's width is its value width.
   EXPECT_EQ(Workload(1, 1, kv_formats::int8).bits, ElementBits(8));
 }
@@ -319,7 +325,7 @@ TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
   const Model& ds = presets::deepseek_v2.model;  // 576 elements per token per layer, 60 layers
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 69120u);
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::fp32}).bytes_per_token, 138240u);
-  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard}) {
+  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard, kv_formats::fp8_layer}) {
     SCOPED_TRACE(std::string(f.name()));
     EXPECT_FALSE(f.holds(ds.attention));
     try {
@@ -439,6 +445,7 @@ TEST(Formats, PagesAreWhatARealCacheHolds) {
     expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 1);
     expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 3);
     expect_pages_match_a_real_cache<kvattn::fp16>(odd, page, 1);
+    expect_pages_match_a_real_cache<kvattn::fp8_e4m3_layer>(odd, page, 3);
     expect_pages_match_a_real_cache<kvattn::bf16>(mla, page, 1);
     expect_pages_match_a_real_cache<kvattn::fp32>(mla, page, 2);
   }

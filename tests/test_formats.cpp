@@ -1,7 +1,8 @@
-// KV formats (format.hpp) and the cache that stores them: int8_row's quantization against its
-// definition (zeros, constant rows, non-finite values included); the page layout with its scale
-// block; write / read / fork / copy-on-write / truncate carrying the scales with their pages; the
-// cases rejected when a cache is made; and the quantization error of attention on realistic keys
+// KV formats (format.hpp) and the cache that stores them: int8_row's, fp8_e4m3_row's and
+// fp8_e4m3_layer's quantization against their definitions (zeros, constant rows, saturation,
+// non-finite values included); the page layout with its scale block; write / read / fork /
+// copy-on-write / truncate carrying the scales with their pages; the per-layer scales; the
+// cases rejected when a cache is made or written; and the quantization error of attention on realistic keys
 // (Gaussian with a few outlier channels 20-50x larger, as real key caches have), as the
 // normalized mean squared error of decode's output against the double reference on the
 // unquantized keys and values.
@@ -24,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "cache_snapshot.hpp"
 #include "reference.hpp"
 
 namespace {
@@ -348,6 +350,186 @@ TEST(Int8Cache, MlaPagesAreRejectedNamingTheFormat) {
   }
 }
 
+// ---- fp8 e4m3 with one scale per layer --------------------------------------------------------
+
+using kvattn::fp8_e4m3_layer;
+using Fp8Layer = kvattn::format_traits<fp8_e4m3_layer>;
+
+TEST(Fp8Layer, QuantizesAsDefinedAndSaturates) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float scale : {1.0f, 0.0123f, 3.5f, 0x1p-126f}) {
+    SCOPED_TRACE(scale);
+    std::vector<float> x(300);
+    for (float& v : x) v = normal(rng) * 100.0f * scale;  // some past 448 · scale, some subnormal
+    x[0] = 0.0f;
+    x[1] = 448.0f * scale;
+    x[2] = -1e4f * scale;
+    x[3] = std::numeric_limits<float>::max();  // finite: saturates like the rest
+    std::vector<fp8_e4m3_layer> q(x.size());
+    Fp8Layer::quantize_row(x.data(), q.data(), x.size(), scale);
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float y = x[i] / scale;  // as the format divides: by one multiplication by 1 / scale
+      const float clamped = std::min(std::fabs(x[i] * (1.0f / scale)), 448.0f) * (x[i] < 0 ? -1.0f : 1.0f);
+      ASSERT_EQ(q[i].bits, nearest_e4m3(clamped)) << "element " << i << " = " << x[i] << " (x / scale = " << y << ")";
+      EXPECT_EQ(static_cast<double>(Fp8Layer::dequantize(q[i], scale)), static_cast<double>(static_cast<float>(e4m3_value(q[i].bits)) * scale))
+          << "element " << i;
+    }
+    EXPECT_EQ(q[0].bits, 0);
+    EXPECT_EQ(q[1].bits, 0x7E);  // 448 · scale: the largest code, exactly
+    EXPECT_EQ(q[2].bits, 0xFE);  // saturated
+    EXPECT_EQ(q[3].bits, 0x7E);
+    EXPECT_EQ(Fp8Layer::dequantize(q[2], scale), -448.0f * scale);
+  }
+  // The kernels' factor: loads give q · 2^-8.
+  EXPECT_EQ(Fp8Layer::kernel_scale(0.5f), 128.0f);
+  EXPECT_EQ(kvattn::to_float(fp8_e4m3_layer{{0x38}}), 1.0f / 256);  // code 0x38 is 1
+}
+
+TEST(Fp8Layer, OnlyNormalScalesUpTo2To100AreValid) {
+  for (float ok : {0x1p-126f, 1e-20f, 0.003f, 1.0f, 1e20f, 0x1p100f}) EXPECT_TRUE(Fp8Layer::valid_scale(ok)) << ok;
+  for (float bad : {0.0f, -0.0f, -1.0f, 0x1p-127f, 0x1p101f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()})
+    EXPECT_FALSE(Fp8Layer::valid_scale(bad)) << bad;
+}
+
+/// Every key and value of token t in `layer` for fp8_e4m3_layer caches: row_values, times 10.
+std::vector<float> layer_row(const GqaShape& s, int t, int layer, float sign) {
+  std::vector<float> x = row_values(s, t, layer, sign);
+  for (float& v : x) v *= 10.0f;
+  return x;
+}
+
+/// What read() returns for x in a layer of scale `scale`: each value through the definition.
+std::vector<float> through_layer_format(const std::vector<float>& x, float scale) {
+  std::vector<float> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const int code = nearest_e4m3(std::min(std::fabs(x[i] * (1.0f / scale)), 448.0f) * (x[i] < 0 ? -1.0f : 1.0f));
+    out[i] = static_cast<float>(e4m3_value(code)) * scale;
+  }
+  return out;
+}
+
+TEST(Fp8LayerCache, EachLayerReadsWithItsOwnScalesAndPagesHoldValuesOnly) {
+  const GqaShape shape = GqaShape::gqa(6, 3, 24);
+  const std::vector<kvattn::KvScales> scales = {{0.05f, 0.3f}, {1.5f, 0.01f}};  // layer 1's values saturate
+  for (int page : {1, 7, 16}) {
+    SCOPED_TRACE(page);
+    kvattn::PagedKvCache<fp8_e4m3_layer> cache(CacheConfig{2, page, 40, shape}, scales);
+    const kvattn::PageLayout& l = cache.layout();
+    EXPECT_EQ(l.unit_bytes, 1);
+    EXPECT_EQ(l.scale_offset, 0);  // no scale block
+    EXPECT_EQ(l.page_stride, 2 * shape.kv_heads * l.head_stride);
+    EXPECT_EQ(l.token_bytes(), 2 * std::int64_t{shape.kv_heads} * shape.head_dim);
+    for (int layer = 0; layer < 2; ++layer) {
+      EXPECT_EQ(cache.scales(layer).k, scales[static_cast<std::size_t>(layer)].k);
+      EXPECT_EQ(cache.scales(layer).v, scales[static_cast<std::size_t>(layer)].v);
+    }
+    EXPECT_THROW(cache.scales(2), kvattn::invalid_argument);
+    const auto parent = cache.add_sequence();
+    const int n = 2 * page + 3;
+    cache.append(parent, n);
+    for (int layer = 0; layer < 2; ++layer)
+      for (int t = 0; t < n; ++t) cache.write(parent, layer, t, layer_row(shape, t, layer, 1).data(), layer_row(shape, t, layer, -1).data());
+    const kvattn::BatchPageTable table = cache.page_table({parent});
+    EXPECT_EQ(cache.view(table, 1).scales.k, 1.5f);
+    EXPECT_EQ(cache.view(table, 1).scales.v, 0.01f);
+    const auto child = cache.fork(parent);
+    cache.write(child, 1, 0, layer_row(shape, 0, 1, 2).data(), layer_row(shape, 0, 1, -2).data());  // copy-on-write
+    std::vector<float> k(static_cast<std::size_t>(shape.kv_heads) * shape.head_dim), v(k.size());
+    const auto expect_token = [&](kvattn::SeqId seq, int layer, int t, float sign) {
+      cache.read(seq, layer, t, k.data(), v.data());
+      const kvattn::KvScales& ls = scales[static_cast<std::size_t>(layer)];
+      EXPECT_EQ(k, through_layer_format(layer_row(shape, t, layer, sign), ls.k)) << "seq " << seq << " layer " << layer << " token " << t;
+      EXPECT_EQ(v, through_layer_format(layer_row(shape, t, layer, -sign), ls.v)) << "seq " << seq << " layer " << layer << " token " << t;
+    };
+    expect_token(child, 1, 0, 2);
+    expect_token(parent, 1, 0, 1);
+    for (int layer = 0; layer < 2; ++layer)
+      for (int t = 1; t < n; ++t) {
+        expect_token(parent, layer, t, 1);
+        expect_token(child, layer, t, 1);
+      }
+    cache.truncate(child, page + 1);
+    cache.append(child, 1);
+    cache.write(child, 0, page + 1, layer_row(shape, 7, 0, 3).data(), layer_row(shape, 7, 0, -3).data());
+    cache.read(child, 0, page + 1, k.data(), v.data());
+    EXPECT_EQ(k, through_layer_format(layer_row(shape, 7, 0, 3), scales[0].k));
+    expect_token(parent, 0, page + 1, 1);
+    cache.check_invariants();
+    // Moved, the scales go with the pages.
+    kvattn::PagedKvCache<fp8_e4m3_layer> moved(std::move(cache));
+    EXPECT_EQ(moved.scales(1).v, 0.01f);
+  }
+  // Without scales every layer's are 1.
+  kvattn::PagedKvCache<fp8_e4m3_layer> ones(CacheConfig{3, 16, 2, shape});
+  for (int layer = 0; layer < 3; ++layer) EXPECT_EQ(ones.scales(layer).k * ones.scales(layer).v, 1.0f);
+  kvattn::PagedKvCache<kvattn::bf16> plain(CacheConfig{2, 16, 2, shape});
+  EXPECT_EQ(plain.scales(1).k, 1.0f);  // formats without per-layer scales: 1
+}
+
+/// The message of the invalid_argument that `f` throws ("" and a failure when it throws none).
+template <class F> std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const kvattn::invalid_argument& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "no invalid_argument";
+  return {};
+}
+
+TEST(Fp8LayerCache, BadScalesAreRejectedWhenTheCacheIsMade) {
+  const GqaShape shape = GqaShape::gqa(4, 2, 16);
+  const auto make = [&](std::vector<kvattn::KvScales> scales) {
+    return [&shape, scales] { kvattn::PagedKvCache<fp8_e4m3_layer> c(CacheConfig{2, 16, 2, shape}, scales); };
+  };
+  std::string what = error_of(make({{1.0f, 1.0f}}));
+  EXPECT_NE(what.find("1 layer scales for layers=2"), std::string::npos) << what;
+  for (float bad : {0.0f, -2.0f, std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(), 0x1p-130f}) {
+    what = error_of(make({{1.0f, 1.0f}, {1.0f, bad}}));
+    EXPECT_NE(what.find("layer 1's v scale="), std::string::npos) << what;
+    what = error_of(make({{bad, 1.0f}, {1.0f, 1.0f}}));
+    EXPECT_NE(what.find("layer 0's k scale="), std::string::npos) << what;
+  }
+  what = error_of([&] { kvattn::PagedKvCache<int8_row> c(CacheConfig{2, 16, 2, shape}, {{1.0f, 1.0f}, {1.0f, 1.0f}}); });
+  EXPECT_NE(what.find("the int8 format has none"), std::string::npos) << what;
+  what = error_of([] { kvattn::PagedKvCache<fp8_e4m3_layer> c(CacheConfig{1, 16, 4, kvattn::MlaShape{4, 64, 16, 32, 32, 0}}); });
+  EXPECT_NE(what.find("fp8_layer"), std::string::npos) << what;
+  EXPECT_NE(what.find("MLA"), std::string::npos) << what;
+}
+
+TEST(Fp8LayerCache, NonFiniteValuesAreRefusedAndNothingIsWritten) {
+  const GqaShape shape = GqaShape::gqa(4, 2, 16);
+  kvattn::PagedKvCache<fp8_e4m3_layer> cache(CacheConfig{2, 4, 8, shape}, {{0.1f, 0.1f}, {0.2f, 0.2f}});
+  const auto parent = cache.add_sequence();
+  cache.append(parent, 6);
+  std::vector<float> k(6 * 2 * 16, 0.5f), v(k.size(), -0.5f);
+  cache.write(parent, 0, 0, 6, k.data(), v.data());
+  const auto child = cache.fork(parent);  // every page shared: a write would copy them
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    SCOPED_TRACE(bad);
+    std::vector<float> kb = k, vb = v;
+    vb[(5 * 2 + 1) * 16 + 9] = bad;  // token 5, KV head 1, column 9 of the values
+    const cache_snapshot::Snapshot before = cache_snapshot::snapshot(cache);
+    const std::uint64_t generation = cache.generation();
+    const std::string what = error_of([&] { cache.write(child, 1, 0, 6, kb.data(), vb.data()); });
+    EXPECT_NE(what.find("write(seq=1, layer=1, position=5)"), std::string::npos) << what;
+    EXPECT_NE(what.find("value of KV head 1"), std::string::npos) << what;
+    EXPECT_NE(what.find("column 9"), std::string::npos) << what;
+    EXPECT_TRUE(cache_snapshot::same_state(before, cache_snapshot::snapshot(cache)));
+    EXPECT_EQ(cache.generation(), generation);  // no copy-on-write either
+    std::vector<kvattn::bf16> kh(k.size(), kvattn::bf16(0.5f));
+    kh[3] = kvattn::bf16(bad);  // 16-bit sources likewise
+    EXPECT_THROW(cache.write(child, 0, 0, 6, kh.data(), kh.data()), kvattn::invalid_argument);
+    EXPECT_TRUE(cache_snapshot::same_state(before, cache_snapshot::snapshot(cache)));
+  }
+  // The call's own errors come first: a range past the end is named as such.
+  const std::string what = error_of([&] { cache.write(child, 0, 4, 6, k.data(), v.data()); });
+  EXPECT_NE(what.find("holds 6 tokens"), std::string::npos) << what;
+}
+
 // ---- quantization error of attention ----------------------------------------------------------
 
 /// Keys: standard normal with `outliers` channels per KV head scaled by 20-50 (the same channels
@@ -374,10 +556,21 @@ RealisticInputs realistic(const GqaShape& s, std::int64_t L, unsigned seed) {
 
 /// Σ (out − ref)² / Σ ref² of one decode step on a cache of format T holding `in`, against the
 /// double reference on the fp32 inputs; int8_queries, u8_probabilities: DecodeParams'.
+/// A format with one scale per layer gets the scales a checkpoint's calibration gives: the
+/// layer's largest |key| (|value|) over 448.
 template <class T>
 double decode_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in, bool int8_queries = false,
                    bool u8_probabilities = false) {
-  kvattn::PagedKvCache<T> cache(CacheConfig{1, 16, (L + 15) / 16, s});
+  std::vector<kvattn::KvScales> scales;
+  if constexpr (kvattn::format_traits<T>::layer_scale) {
+    const auto amax = [](const std::vector<float>& x) {
+      float m = 0;
+      for (float v : x) m = std::max(m, std::fabs(v));
+      return m;
+    };
+    scales.push_back(kvattn::KvScales{amax(in.k) / 448, amax(in.v) / 448});
+  }
+  kvattn::PagedKvCache<T> cache(CacheConfig{1, 16, (L + 15) / 16, s}, scales);
   kvattn::PagedKvCache<float> exact(CacheConfig{1, 16, (L + 15) / 16, s});
   const auto seq = cache.add_sequence(), eseq = exact.add_sequence();
   cache.append(seq, L);
@@ -406,7 +599,7 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   // For comparison: ggml bounds every format's flash attention at NMSE <= 5e-4 in its own test.
   const GqaShape shape = GqaShape::gqa(32, 8, 128);
   double worst_int8 = 0, worst_rotated = 0, worst_bf16 = 0, worst_int8_q = 0, worst_rotated_q = 0, worst_rotated_qp = 0;
-  double worst_fp8 = 0, worst_fp8_rotated = 0;
+  double worst_fp8 = 0, worst_fp8_rotated = 0, worst_fp8_layer = 0;
   for (std::int64_t L : {256, 2048}) {
     const RealisticInputs in = realistic(shape, L, static_cast<unsigned>(L));
     const double bf16 = decode_nmse<kvattn::bf16>(shape, L, in), fp16 = decode_nmse<kvattn::fp16>(shape, L, in);
@@ -416,10 +609,13 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
     const double int8_qp = decode_nmse<int8_row>(shape, L, in, true, true);
     const double rotated_qp = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true, true);
     const double fp8 = decode_nmse<fp8_e4m3_row>(shape, L, in), fp8_rotated = decode_nmse<kvattn::hadamard<fp8_e4m3_row>>(shape, L, in);
+    const double fp8_layer = decode_nmse<fp8_e4m3_layer>(shape, L, in);
     std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e, fp8 %.2e, "
-                "fp8_hadamard %.2e; int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: int8 %.2e, "
-                "int8_hadamard %.2e\n",
-                static_cast<long long>(L), bf16, fp16, int8, rotated, fp8, fp8_rotated, int8_q, rotated_q, int8_qp, rotated_qp);
+                "fp8_hadamard %.2e, fp8_layer %.2e; int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: "
+                "int8 %.2e, int8_hadamard %.2e\n",
+                static_cast<long long>(L), bf16, fp16, int8, rotated, fp8, fp8_rotated, fp8_layer, int8_q, rotated_q, int8_qp,
+                rotated_qp);
+    worst_fp8_layer = std::max(worst_fp8_layer, fp8_layer);
     worst_fp8 = std::max(worst_fp8, fp8);
     worst_fp8_rotated = std::max(worst_fp8_rotated, fp8_rotated);
     worst_rotated_qp = std::max(worst_rotated_qp, rotated_qp);
@@ -451,6 +647,10 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   EXPECT_LT(worst_fp8, 1e-2);
   EXPECT_LT(worst_fp8, worst_int8 / 3);
   EXPECT_LT(worst_fp8_rotated, 5e-2);
+  // fp8 with one scale per layer (3.5e-2 here, scales from the layer's largest values): the
+  // same relative step, but the row's largest value is no longer exact, and on these keys that
+  // value is an outlier channel that dominates the scores.
+  EXPECT_LT(worst_fp8_layer, 7e-2);
 }
 
 }  // namespace

@@ -72,7 +72,7 @@ void check_against_reference(const GqaShape& s, int page, std::vector<std::int64
                                       " storage=", kvattn::format_traits<T>::name, " isa=", Isa::name, " block=", params.query_block));
   std::int64_t total = 0;
   for (auto c : chunks) total += c;
-  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, (total + page - 1) / page + 1, s});
+  kvattn::PagedKvCache<T> cache(kvattn::CacheConfig{1, page, (total + page - 1) / page + 1, s}, checks::test_scales<T>());
   const auto seq = cache.add_sequence();
   const Prompt pr = random_prompt(s, total, static_cast<unsigned>(total * 7 + s.head_dim), q_scale);
   std::vector<float> out, lse;
@@ -109,6 +109,8 @@ TYPED_TEST(Prefill, MatchesReferenceOverShapes) {
   for (int group : {1, 3, 8}) check_against_reference<kvattn::fp8_e4m3_row, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
   check_against_reference<kvattn::fp8_e4m3_row, Isa>(GqaShape::mha(3, 80), 16, {45});
   check_against_reference<kvattn::hadamard<kvattn::fp8_e4m3_row>, Isa>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
+  for (int group : {1, 3}) check_against_reference<kvattn::fp8_e4m3_layer, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_against_reference<kvattn::fp8_e4m3_layer, Isa>(GqaShape::mha(3, 80), 1, {45});
 }
 
 TYPED_TEST(Prefill, LongPromptAndBlocks) {

@@ -123,24 +123,26 @@ class ElementBits {
 // ---------------------------------------------------------------------------------------------
 // KV formats: what a cache of each element type (format.hpp) holds, to the byte.
 
-template <class F> struct format_traits;  // format.hpp: name, bits, row_scale, rotated
+template <class F> struct format_traits;  // format.hpp: name, bits, row_scale, layer_scale, rotated
 
 /// A KV format as the arithmetic sees it: `bits` per value (whole bytes: 8, 16, 32 or 64),
-/// `scale_bytes` per row (a row: one token's head_dim values of one KV head; 0: no scale), and
-/// whether rows are rotated (head_dim then a power of two up to kMaxRotatedDim). The shipped
-/// formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8 and fp8_hadamard;
-/// KvFormat::of<F>() reads
-/// format_traits<F> (format.hpp must then be included), KvFormat::parse finds one by name.
+/// `scale_bytes` per row (a row: one token's head_dim values of one KV head; 0: no scale),
+/// whether rows are rotated (head_dim then a power of two up to kMaxRotatedDim), and whether one
+/// key and one value scale serve each layer (kept by the cache, not in its pages: no bytes). The
+/// shipped formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard and
+/// fp8_layer; KvFormat::of<F>() reads format_traits<F> (format.hpp must then be included),
+/// KvFormat::parse finds one by name.
 ///
-/// A format with a scale per row, or a rotated one, holds GQA-family caches only (its scales and
-/// its rotation are per KV head): a cache of it cannot hold an MLA model (holds(), check()).
+/// A format with scales (per row or per layer), or a rotated one, holds GQA-family caches only
+/// (its scales and its rotation are per KV head): a cache of it cannot hold an MLA model (holds(),
+/// check()).
 class KvFormat {
  public:
   /// The largest head_dim of a rotated format (format.hpp's kMaxRotatedDim, which it equals).
   static constexpr int kMaxRotatedDim = 1024;
 
-  constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false)
-      : name_(name), bits_(bits), scale_bytes_(scale_bytes), rotated_(rotated) {
+  constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false, bool layer_scale = false)
+      : name_(name), bits_(bits), scale_bytes_(scale_bytes), rotated_(rotated), layer_scale_(layer_scale) {
     if (bits != 8 && bits != 16 && bits != 32 && bits != 64)
       raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits, ": a value must be 1, 2, 4 or 8 whole bytes"));
     if (scale_bytes < 0)
@@ -148,18 +150,18 @@ class KvFormat {
   }
 
   /// The format of the cache element type F: format_traits<F>'s name, bits, scale (one fp32 per
-  /// row where row_scale) and rotation.
+  /// row where row_scale), rotation and per-layer scales.
   template <class F> static constexpr KvFormat of() {
     using T = format_traits<F>;
     static_assert(sizeof(typename T::unit) * 8 == T::bits, "kvattn::KvFormat: a format's unit must be one value");
-    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated);
+    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated, T::layer_scale);
   }
 
-  /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8", "int8_hadamard", "fp8"
-  /// or "fp8_hadamard".
+  /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8", "int8_hadamard", "fp8",
+  /// "fp8_hadamard" or "fp8_layer".
   /// Throws kvattn::invalid_argument naming `name` and the valid names otherwise.
   static KvFormat parse(std::string_view name);
-  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard".
+  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer".
   static std::string names();
 
   constexpr std::string_view name() const noexcept { return name_; }
@@ -168,10 +170,11 @@ class KvFormat {
   constexpr int scale_bytes() const noexcept { return scale_bytes_; }  ///< per row; 0: none
   constexpr bool row_scale() const noexcept { return scale_bytes_ != 0; }
   constexpr bool rotated() const noexcept { return rotated_; }
+  constexpr bool layer_scale() const noexcept { return layer_scale_; }  ///< one key and one value scale per layer
 
   /// Whether a cache of this format can hold a layer of `shape`: a GQA-family shape (of a
   /// power-of-two head_dim up to kMaxRotatedDim when rotated), or an MLA shape when the format
-  /// has neither scales nor rotation.
+  /// has neither scales (per row or per layer) nor rotation.
   constexpr bool holds(const AttentionShape& shape) const noexcept {
     // holds_alternative and get, not get_if: GCC's constant evaluation under -fsanitize rejects
     // get_if's null test of the address of a static object.
@@ -179,13 +182,13 @@ class KvFormat {
       const int d = std::get<GqaShape>(shape).head_dim;
       return !rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0);
     }
-    return !row_scale() && !rotated_;
+    return !row_scale() && !layer_scale_ && !rotated_;
   }
   /// Why a cache of this format cannot hold `model`, naming both; "" when it can.
   std::string check(const Model& model) const {
     if (holds(model.attention)) return {};
     if (model.is_mla())
-      return detail::concat("the ", name_, " format (", row_scale() ? "a scale per row" : "rotated rows",
+      return detail::concat("the ", name_, " format (", row_scale() ? "a scale per row" : layer_scale_ ? "scales per layer" : "rotated rows",
                             " of a KV head) holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
     return detail::concat("the ", name_, " format rotates rows of head_dim=", model.gqa().head_dim, " (model '", model.name,
                           "'): head_dim must be a power of two up to ", kMaxRotatedDim);
@@ -226,7 +229,8 @@ class KvFormat {
   }
 
   friend constexpr bool operator==(const KvFormat& a, const KvFormat& b) noexcept {
-    return a.name_ == b.name_ && a.bits_ == b.bits_ && a.scale_bytes_ == b.scale_bytes_ && a.rotated_ == b.rotated_;
+    return a.name_ == b.name_ && a.bits_ == b.bits_ && a.scale_bytes_ == b.scale_bytes_ && a.rotated_ == b.rotated_ &&
+           a.layer_scale_ == b.layer_scale_;
   }
   friend constexpr bool operator!=(const KvFormat& a, const KvFormat& b) noexcept { return !(a == b); }
 
@@ -243,6 +247,7 @@ class KvFormat {
   int bits_;
   int scale_bytes_;
   bool rotated_;
+  bool layer_scale_;
 };
 
 /// The shipped formats (format.hpp), as KvFormat::of<F>() gives them.
@@ -254,7 +259,8 @@ inline constexpr KvFormat int8{"int8", 8, 4};                   ///< int8_row: o
 inline constexpr KvFormat int8_hadamard{"int8_hadamard", 8, 4, true};  ///< hadamard<int8_row>
 inline constexpr KvFormat fp8{"fp8", 8, 4};                     ///< fp8_e4m3_row: one fp32 scale per row
 inline constexpr KvFormat fp8_hadamard{"fp8_hadamard", 8, 4, true};  ///< hadamard<fp8_e4m3_row>
-inline constexpr std::array<KvFormat, 7> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard};
+inline constexpr KvFormat fp8_layer{"fp8_layer", 8, 0, false, true};  ///< fp8_e4m3_layer: the scales are the layer's
+inline constexpr std::array<KvFormat, 8> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer};
 }  // namespace kv_formats
 
 inline std::string KvFormat::names() {

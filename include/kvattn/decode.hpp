@@ -390,6 +390,13 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
   const std::int64_t length = kv.length(b);
   const std::int64_t stride = partial_row_floats(dim);
   constexpr int kRowBlock = decode_row_block<Isa>();
+  // A format with one scale per layer (format.hpp): the keys' scale is the scores', the values'
+  // the output's, once for the whole item.
+  float out_scale = 1.0f;
+  if constexpr (format_traits<T>::layer_scale) {
+    scale *= format_traits<T>::kernel_scale(kv.scales.k);
+    out_scale = format_traits<T>::kernel_scale(kv.scales.v);
+  }
 
   for (std::int64_t r = 0; r < std::int64_t{H} * rows; ++r) {  // start empty
     float* o = part + r * stride;
@@ -520,7 +527,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
     simd::from_pair_order<Isa, T>(out, dim);
     if constexpr (kRotated) hadamard_rotate(out, dim);  // back from the values' rotated basis
     if (out[dim + 1] > 0.0f) {
-      const float inv = 1.0f / out[dim + 1];
+      const float inv = out_scale / out[dim + 1];
       for (int c = 0; c < dim; ++c) out[c] *= inv;
     }
   }

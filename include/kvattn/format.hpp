@@ -8,7 +8,10 @@
 //   row_scale   true when every row carries one fp32 scale, kept in the page's scale block
 //               (PageLayout::scale_offset), not beside the row: each head's run of values stays
 //               contiguous and starts on a cache line;
-//   quantize_row(src, dst, n) -> scale and dequantize(x, scale): the way in and the way out.
+//   layer_scale true when one key scale and one value scale serve a whole layer (the cache holds
+//               them: PagedKvCache's KvScales); the page then holds values only;
+//   quantize_row(src, dst, n) -> scale (row_scale), quantize_row(src, dst, n, scale)
+//               (layer_scale), and dequantize(x, scale): the way in and the way out.
 //
 // Formats:
 //   fp32, fp16, bf16   plain elements (storage.hpp), no scale: a value is its element.
@@ -31,6 +34,14 @@
 //                      which is exactly q · 2^-8 (subnormals included: F16C's and NEON's fp16
 //                      conversions, one instruction); the page's scale block therefore holds
 //                      s · 2^8, and to_float(fp8_e4m3_row) gives q · 2^-8 (both exact).
+//   fp8_e4m3_layer     the same bytes with one key scale and one value scale per layer, fixed when
+//                      the cache is made, as a checkpoint gives them (k_scale, v_scale; 1 when
+//                      it gives none): q_i = e4m3(x_i / s), x_i ≈ q_i · s. A value beyond
+//                      448 · s saturates to ±448 · s. A NaN or an infinity cannot be carried by
+//                      a byte the kernels read as a number, so writing one is refused (the write
+//                      throws kvattn::invalid_argument naming the row, and writes nothing).
+//                      The kernels fold the scales out of the loop: the key scale (times 2^8)
+//                      into the softmax scale, the value scale (times 2^8) into the output.
 //   hadamard<F>        F (int8_row or fp8_e4m3_row) of the row rotated by the orthonormal Walsh–Hadamard transform
 //                      H (H = Hᵀ = H⁻¹, head_dim a power of two, up to kMaxRotatedDim): keys and
 //                      values are stored as Q(H·x); decode and prefill rotate the query by the
@@ -71,6 +82,12 @@ struct fp8_e4m3_row {
   std::uint8_t bits = 0;
 };
 static_assert(sizeof(fp8_e4m3_row) == 1, "kvattn: fp8_e4m3_row must be one byte");
+
+/// fp8 e4m3 with one key scale and one value scale per layer (see the top of this file): the byte
+/// of one value; the scales are the cache's (PagedKvCache::scales). It reads as fp8_e4m3_row's
+/// byte does (the same loads, q · 2^-8).
+struct fp8_e4m3_layer : fp8_e4m3_row {};
+static_assert(sizeof(fp8_e4m3_layer) == 1, "kvattn: fp8_e4m3_layer must be one byte");
 
 /// The e4m3 code nearest |x| (ties to the even code), for 0 <= |x|; codes past 0x7E (448)
 /// saturate to it, and NaN gives 0x7E too (callers never pass one). Sign: bit 7, from x's.
@@ -136,6 +153,7 @@ template <class T> struct plain_format_traits {
   static constexpr std::string_view name = storage_traits<T>::name;
   static constexpr int bits = storage_traits<T>::bits;
   static constexpr bool row_scale = false;
+  static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
 };
 template <> struct format_traits<fp32> : plain_format_traits<fp32> {};
@@ -169,6 +187,7 @@ template <> struct format_traits<int8_row> {
   static constexpr std::string_view rotated_name = "int8_hadamard";
   static constexpr int bits = 8;
   static constexpr bool row_scale = true;
+  static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr float kMax = 127.0f;
 
@@ -188,6 +207,7 @@ template <> struct format_traits<fp8_e4m3_row> {
   static constexpr std::string_view rotated_name = "fp8_hadamard";
   static constexpr int bits = 8;
   static constexpr bool row_scale = true;
+  static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr float kMax = 448.0f;
 
@@ -200,12 +220,43 @@ template <> struct format_traits<fp8_e4m3_row> {
   static float dequantize(fp8_e4m3_row x, float scale) noexcept { return fp8_e4m3_decode_scaled(x.bits) * scale; }
 };
 
+template <> struct format_traits<fp8_e4m3_layer> {
+  using unit = fp8_e4m3_layer;
+  static constexpr std::string_view name = "fp8_layer";
+  static constexpr int bits = 8;
+  static constexpr bool row_scale = false;
+  static constexpr bool layer_scale = true;
+  static constexpr bool rotated = false;
+
+  /// Whether src [n] can be stored: every value finite (a byte cannot carry NaN or ±infinity to
+  /// the kernels). Returns the index of the first value that is not, or n.
+  template <class Src> static std::size_t first_non_finite(const Src* src, std::size_t n) noexcept {
+    for (std::size_t i = 0; i < n; ++i)
+      if (!std::isfinite(to_float(src[i]))) return i;
+    return n;
+  }
+  /// src [n] (fp32, fp16 or bf16, every value finite) -> dst [n], q_i = e4m3(src_i / scale),
+  /// saturating at ±448; `scale` is the layer's (positive, finite).
+  template <class Src> static void quantize_row(const Src* src, fp8_e4m3_layer* dst, std::size_t n, float scale) noexcept {
+    const float inv = 1.0f / scale;
+    for (std::size_t i = 0; i < n; ++i) dst[i].bits = fp8_e4m3_encode(to_float(src[i]) * inv);
+  }
+  static float dequantize(fp8_e4m3_layer x, float scale) noexcept { return fp8_e4m3_decode_scaled(x.bits) * 256.0f * scale; }
+  /// What a kernel multiplies the loaded values (q · 2^-8) by: the layer's scale times 2^8.
+  static float kernel_scale(float scale) noexcept { return scale * 256.0f; }
+  /// The scales a layer may have: from 2^-126 (the smallest normal float: 1 / scale stays
+  /// finite) to 2^100 (448 · scale · 2^8 stays finite), NaN excluded.
+  static constexpr float kMinScale = 0x1p-126f, kMaxScale = 0x1p100f;
+  static bool valid_scale(float scale) noexcept { return scale >= kMinScale && scale <= kMaxScale; }
+};
+
 /// F's quantization of the row rotated by the Walsh–Hadamard transform (see the top of this file).
 template <class F> struct format_traits<hadamard<F>> {
   using unit = hadamard<F>;
   static constexpr std::string_view name = format_traits<F>::rotated_name;
   static constexpr int bits = format_traits<F>::bits;
   static constexpr bool row_scale = true;
+  static constexpr bool layer_scale = false;
   static constexpr bool rotated = true;
 
   /// src [n] -> H src / sqrt(n) -> F's quantization; n a power of two <= kMaxRotatedDim.
@@ -222,7 +273,8 @@ template <class F> struct format_traits<hadamard<F>> {
 /// True for the types a cache can be made of: fp32, fp16, bf16 and the formats above.
 template <class F>
 inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>> ||
-                                       std::is_same_v<F, fp8_e4m3_row> || std::is_same_v<F, hadamard<fp8_e4m3_row>>;
+                                       std::is_same_v<F, fp8_e4m3_row> || std::is_same_v<F, hadamard<fp8_e4m3_row>> ||
+                                       std::is_same_v<F, fp8_e4m3_layer>;
 
 /// True for the formats whose values are int8 with a scale per row: int8_row, hadamard<int8_row>.
 template <class F>

@@ -6,8 +6,8 @@
 // reference-counted: fork() gives a child every page of its parent, and the first write into a
 // shared page copies that page, in every layer, for the writer (copy-on-write).
 //
-// Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, fp8_e4m3_row, hadamard<>), in the
-// memory space M:
+// Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer,
+// hadamard<>), in the memory space M:
 //   pool   [layers][num_pages][page_stride]        layer_stride = num_pages · page_stride
 // and within one page of one layer (PageLayout, in units of T):
 //   GQA family  [2 (K, V)][kv_heads][head_stride]  a head block holds [page_size][head_dim]
@@ -22,7 +22,10 @@
 // latent (the first latent_dim elements of each row). Every page starts on a cache line.
 // A quantized format's scales sit in the page's own scale block, not beside each row, so that
 // every head's run of values stays contiguous and aligned; kernels find them through the same
-// view, fork and copy-on-write copy them with their page, and callers never pass them.
+// view, fork and copy-on-write copy them with their page, and callers never pass them. A format
+// with one scale per layer (fp8_e4m3_layer) keeps its scales in the cache itself: they are
+// given when the cache is made (KvScales, one pair per layer), fixed for its life, and every view
+// of a layer carries that layer's pair.
 //
 // Kernels see the cache through PagedKvView: the layer's pool pointer, the layout, and a batch's
 // page table as plain CSR arrays (indptr, indices, tokens in the last page), identical for CPU
@@ -198,6 +201,14 @@ KVATTN_HOST_DEVICE inline std::int64_t sequence_length(const std::int32_t* indpt
   return pages == 0 ? 0 : std::int64_t{pages - 1} * page_size + last_page_len[b];
 }
 
+/// One layer's key and value scales, for a format with one scale per layer (fp8_e4m3_layer): a
+/// stored byte q means q · k (keys) or q · v (values). As a checkpoint gives them (k_scale and
+/// v_scale); 1 when it gives none.
+struct KvScales {
+  float k = 1.0f;
+  float v = 1.0f;
+};
+
 /// What a kernel needs to read one layer of a batch: pointers and integers only.
 template <class T> struct PagedKvView {
   const T* pool = nullptr;                      ///< this layer: [num_pages][layout.page_stride]
@@ -206,6 +217,7 @@ template <class T> struct PagedKvView {
   const std::int32_t* indices = nullptr;        ///< [indptr[batch]]
   const std::int32_t* last_page_len = nullptr;  ///< [batch]
   int batch = 0;
+  KvScales scales;  ///< this layer's scales (formats with one scale per layer; {1, 1} otherwise)
 
   /// First element of page `page` in this layer: [layout.page_stride].
   const T* page(std::int32_t page_id) const noexcept { return pool + std::int64_t{page_id} * layout.page_stride; }
@@ -230,19 +242,39 @@ struct CacheStats {
 };
 
 template <class T, class M = HostMemory> class PagedKvCache {
-  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, or hadamard<> of the two (format.hpp)");
+  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, or hadamard<> of int8_row or fp8_e4m3_row (format.hpp)");
 
  public:
   using element_type = T;  ///< the format: format_traits<T>
   using memory_space = M;
   /// Whether each row carries a scale (format.hpp): the page then ends in a scale block.
   static constexpr bool kRowScale = format_traits<T>::row_scale;
+  /// Whether one key scale and one value scale serve each layer (format.hpp): the cache holds them.
+  static constexpr bool kLayerScale = format_traits<T>::layer_scale;
 
-  explicit PagedKvCache(const CacheConfig& config) : config_(config) {
+  /// A cache of `config`'s size. `layer_scales`: for a format with one scale per layer
+  /// (fp8_e4m3_layer), each layer's key and value scales [config.layers] (empty: 1 for every
+  /// layer), each from 2^-126 to 2^100; other formats take none.
+  explicit PagedKvCache(const CacheConfig& config, std::vector<KvScales> layer_scales = {}) : config_(config) {
     if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
-    if (kRowScale && !std::holds_alternative<GqaShape>(config.shape))
+    if ((kRowScale || kLayerScale) && !std::holds_alternative<GqaShape>(config.shape))
       raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name,
                                              " format holds GQA-family pages (keys and values per KV head); an MLA cache is fp32, fp16 or bf16"));
+    if constexpr (kLayerScale) {
+      if (layer_scales.empty()) layer_scales.assign(static_cast<std::size_t>(config.layers), KvScales{});
+      if (layer_scales.size() != static_cast<std::size_t>(config.layers))
+        raise<invalid_argument>(detail::concat("PagedKvCache: ", layer_scales.size(), " layer scales for layers=", config.layers,
+                                               ": give one {k, v} pair per layer, or none (all 1)"));
+      for (std::size_t l = 0; l < layer_scales.size(); ++l)
+        for (const auto& [which, value] : {std::pair{"k", layer_scales[l].k}, std::pair{"v", layer_scales[l].v}})
+          if (!format_traits<T>::valid_scale(value))
+            raise<invalid_argument>(detail::concat("PagedKvCache: layer ", l, "'s ", which, " scale=", value,
+                                                   ": a scale must be from 2^-126 to 2^100 (positive, finite, not subnormal)"));
+    } else if (!layer_scales.empty()) {
+      raise<invalid_argument>(detail::concat("PagedKvCache: ", layer_scales.size(), " layer scales given, and the ",
+                                             format_traits<T>::name, " format has none (fp8_e4m3_layer has)"));
+    }
+    scales_ = std::move(layer_scales);
     if constexpr (format_traits<T>::rotated) {
       const int d = std::get<GqaShape>(config.shape).head_dim;
       if (d > kMaxRotatedDim || (d & (d - 1)) != 0)
@@ -267,7 +299,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   PagedKvCache(PagedKvCache&& other) noexcept
       : config_(other.config_), layout_(other.layout_), layer_stride_(other.layer_stride_), pool_(other.pool_),
         pool_bytes_(other.pool_bytes_), refcount_(std::move(other.refcount_)), free_(std::move(other.free_)),
-        seqs_(std::move(other.seqs_)), next_id_(other.next_id_), generation_(other.generation_ + 1) {
+        seqs_(std::move(other.seqs_)), scales_(std::move(other.scales_)), next_id_(other.next_id_), generation_(other.generation_ + 1) {
     other.pool_ = nullptr;
     other.pool_bytes_ = 0;
     other.config_.num_pages = 0;
@@ -275,6 +307,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     other.refcount_.clear();
     other.free_.clear();
     other.seqs_.clear();
+    other.scales_.clear();
     ++other.generation_;
   }
   PagedKvCache& operator=(PagedKvCache&& other) noexcept {
@@ -292,6 +325,12 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// of the cache at one generation (page tables, views, plans) describes it while the
   /// generation is the same; writes that copy nothing and add_sequence leave it alone.
   std::uint64_t generation() const noexcept { return generation_; }
+  /// Layer `layer`'s key and value scales: those given when the cache was made for a format with
+  /// one scale per layer (fp8_e4m3_layer), {1, 1} for every other format.
+  KvScales scales(int layer) const {
+    check_layer(layer, "scales");
+    return kLayerScale ? scales_[static_cast<std::size_t>(layer)] : KvScales{};
+  }
 
   // ---- sequences -----------------------------------------------------------------------------
 
@@ -423,11 +462,13 @@ template <class T, class M = HostMemory> class PagedKvCache {
 
   /// GQA family: writes keys and values of tokens [first, first + count) of `seq` in `layer`.
   /// k, v: [count][kv_heads][head_dim] of fp32, fp16 or bf16 (converted to T, or quantized with
-  /// one scale per row: format.hpp). Copies any shared page in that range first (in every
-  /// layer); fails before writing if the pool cannot.
+  /// one scale per row or the layer's scales: format.hpp). Copies any shared page in that range
+  /// first (in every layer); fails before writing if the pool cannot. A format with one scale per
+  /// layer refuses a NaN or an infinity (invalid_argument naming it), before writing anything.
   template <class Src, class Target = this_target>
   void write(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* k, const Src* v) {
     static_assert(is_storage_type_v<Src>, "kvattn::PagedKvCache::write: k and v are fp32, fp16 or bf16");
+    if constexpr (kLayerScale) check_finite(seq, layer, first, count, k, v);
     prepare_write(seq, layer, first, count, PageContent::gqa, "write");
     const Sequence& s = seqs_.at(seq);
     const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
@@ -440,6 +481,10 @@ template <class T, class M = HostMemory> class PagedKvCache {
           float* scales = scale_block(page);
           scales[layout_.key_scale(h, t)] = format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d);
           scales[layout_.value_scale(h, t)] = format_traits<T>::quantize_row(v + src, page + layout_.value(h, t), d);
+        } else if constexpr (kLayerScale) {
+          const KvScales& ls = scales_[static_cast<std::size_t>(layer)];
+          format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d, ls.k);
+          format_traits<T>::quantize_row(v + src, page + layout_.value(h, t), d, ls.v);
         } else {
           convert_row(typename Target::isa{}, k + src, page + layout_.key(h, t), d);
           convert_row(typename Target::isa{}, v + src, page + layout_.value(h, t), d);
@@ -456,7 +501,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// [first, first + count) of `seq` in `layer`. Copy-on-write as write().
   template <class Src, class Target = this_target>
   void write_latent(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* latent, const Src* rope) {
-    static_assert(!kRowScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
     prepare_write(seq, layer, first, count, PageContent::mla, "write_latent");
     const Sequence& s = seqs_.at(seq);
     for (std::int64_t i = 0; i < count; ++i) {
@@ -498,6 +543,14 @@ template <class T, class M = HostMemory> class PagedKvCache {
         };
         dequantize(page + layout_.key(h, t), scales[layout_.key_scale(h, t)], kd);
         dequantize(page + layout_.value(h, t), scales[layout_.value_scale(h, t)], vd);
+      } else if constexpr (kLayerScale) {
+        const KvScales& ls = scales_[static_cast<std::size_t>(layer)];
+        const T* kq = page + layout_.key(h, t);
+        const T* vq = page + layout_.value(h, t);
+        for (std::size_t c = 0; c < d; ++c) {
+          kd[c] = from_float<Dst>(format_traits<T>::dequantize(kq[c], ls.k));
+          vd[c] = from_float<Dst>(format_traits<T>::dequantize(vq[c], ls.v));
+        }
       } else {
         convert_row(typename Target::isa{}, page + layout_.key(h, t), kd, d);
         convert_row(typename Target::isa{}, page + layout_.value(h, t), vd, d);
@@ -508,7 +561,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`.
   template <class Dst, class Target = this_target>
   void read_latent(SeqId seq, int layer, std::int64_t position, Dst* latent, Dst* rope) const {
-    static_assert(!kRowScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
     const T* page = token_page(seq, layer, position, PageContent::mla, "read_latent");
     const int t = static_cast<int>(position % config_.page_size);
     convert_row(typename Target::isa{}, page + layout_.latent(t), latent, static_cast<std::size_t>(layout_.latent_dim));
@@ -547,7 +600,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   PagedKvView<T> view(const BatchPageTable& table, int layer) const {
     check_layer(layer, "view");
     return PagedKvView<T>{layer_data(layer), layout_, table.indptr.data(), table.indices.data(),
-                          table.last_page_len.data(), table.batch()};
+                          table.last_page_len.data(), table.batch(), scales(layer)};
   }
 
   /// The pool of one layer: [num_pages][layout().page_stride].
@@ -740,6 +793,25 @@ template <class T, class M = HostMemory> class PagedKvCache {
     ++generation_;
   }
 
+  /// A format with one scale per layer: throws invalid_argument naming the first NaN or infinity
+  /// of k, v [count][kv_heads][head_dim] (after checking the call's sequence, layer and tokens).
+  template <class Src> void check_finite(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* k, const Src* v) const {
+    const Sequence& s = get(seq, "write");
+    check_content(PageContent::gqa, "write");
+    check_layer(layer, "write");
+    check_position(seq, s, first, count, "write");
+    const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
+    for (std::int64_t i = 0; i < count; ++i)
+      for (int h = 0; h < layout_.kv_heads; ++h)
+        for (const auto& [which, src] : {std::pair{"key", k}, std::pair{"value", v}}) {
+          const Src* row = src + (i * layout_.kv_heads + h) * layout_.head_dim;
+          if (const std::size_t c = format_traits<T>::first_non_finite(row, d); c != d)
+            raise<invalid_argument>(detail::concat("write(seq=", seq, ", layer=", layer, ", position=", first + i, "): the ", which,
+                                                   " of KV head ", h, " holds ", to_float(row[c]), " at column ", c, ": the ",
+                                                   format_traits<T>::name, " format stores finite values only"));
+        }
+  }
+
   /// Validates a write of tokens [first, first + count) and makes their pages private to `seq`.
   void prepare_write(SeqId seq, int layer, std::int64_t first, std::int64_t count, PageContent content, const char* op) {
     static_assert(M::host_accessible, "kvattn::PagedKvCache: host writes need host-accessible memory");
@@ -788,6 +860,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     refcount_.swap(o.refcount_);
     free_.swap(o.free_);
     seqs_.swap(o.seqs_);
+    scales_.swap(o.scales_);
     std::swap(next_id_, o.next_id_);
     std::swap(generation_, o.generation_);
   }
@@ -800,6 +873,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   std::vector<int> refcount_;      // [num_pages] sequences using each page
   std::vector<PageId> free_;       // free page ids, capacity num_pages
   std::unordered_map<SeqId, Sequence> seqs_;
+  std::vector<KvScales> scales_;   // [layers] formats with one scale per layer; empty otherwise
   SeqId next_id_ = 0;
   std::uint64_t generation_ = 0;
 };

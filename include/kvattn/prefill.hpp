@@ -411,7 +411,11 @@ void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t fir
       const int slot = static_cast<int>(pos % page_size);
       const T* k = page + kv.layout.key(kv_head, slot);
       const T* v = page + kv.layout.value(kv_head, slot);
-      Vec ks = Vec::set1(1.0f), vs = ks;  // the rows' scales (format.hpp)
+      Vec ks = Vec::set1(1.0f), vs = ks;  // the rows' or the layer's scales (format.hpp)
+      if constexpr (format_traits<T>::layer_scale) {
+        ks = Vec::set1(format_traits<T>::kernel_scale(kv.scales.k));
+        vs = Vec::set1(format_traits<T>::kernel_scale(kv.scales.v));
+      }
       if constexpr (format_traits<T>::row_scale) {
         const float* scales = reinterpret_cast<const float*>(page + kv.layout.scale_offset);
         ks = Vec::set1(scales[kv.layout.key_scale(kv_head, slot)]);

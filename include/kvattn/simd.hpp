@@ -156,6 +156,7 @@ template <> struct Vec<isa::avx2> {
     a.v = _mm256_cvtph_ps(fp8_as_fp16(_mm_unpacklo_epi8(_mm_setzero_si128(), w)));
     b.v = _mm256_cvtph_ps(fp8_as_fp16(_mm_unpackhi_epi8(_mm_setzero_si128(), w)));
   }
+  static void load_pair(const fp8_e4m3_layer* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const fp8_e4m3_row*>(p), a, b); }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -334,6 +335,7 @@ template <> struct Vec<isa::neon> {
     a.v = vcvt_f32_f16(vget_low_f16(h));
     b.v = vcvt_f32_f16(vget_high_f16(h));
   }
+  static void load_pair(const fp8_e4m3_layer* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const fp8_e4m3_row*>(p), a, b); }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const uint32x4_t w = vld1q_u32(reinterpret_cast<const std::uint32_t*>(p));
     a.v = vreinterpretq_f32_u32(vshlq_n_u32(w, 16));
