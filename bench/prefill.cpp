@@ -2,7 +2,9 @@
 // KVATTN_BENCHMARK_MAIN in the same run), kvattn beside a straightforward Eigen implementation.
 //
 //   prefill/kvattn/<dtype>/tokens:N/threads:T   kvattn::prefill of one N-token prompt, 32 query
-//       heads / 8 KV heads / head size 128, one layer, K/V stored as <dtype>. The step's
+//       heads / 8 KV heads / head size 128, one layer, K/V stored as <dtype> (bf16, fp16, or the
+//       8-bit formats int8, fp8 and fp8_layer: int8_row, fp8_e4m3_row, fp8_e4m3_layer, whose
+//       layer scales are 1). The step's
 //       PrefillPlan is made once, before the timing loop (as an engine makes it once per step
 //       for every layer); each timed call writes the layer's K/V and attends.
 //   prefill/eigen/<dtype>/tokens:N/threads:T    the same attention as a user would write it with
@@ -121,6 +123,11 @@ void args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(kvattn_prefill<kvattn::bf16>)->Name("prefill/kvattn/bf16")->Apply(args);
 BENCHMARK(kvattn_prefill<kvattn::fp16>)->Name("prefill/kvattn/fp16")->Apply(args);
+// The 8-bit formats (kvattn/format.hpp): each timed call also quantizes the layer's K/V as it
+// writes them, and the kernel dequantizes each tile of the cache once; beside bf16's rows.
+BENCHMARK(kvattn_prefill<kvattn::int8_row>)->Name("prefill/kvattn/int8")->Apply(args);
+BENCHMARK(kvattn_prefill<kvattn::fp8_e4m3_row>)->Name("prefill/kvattn/fp8")->Apply(args);
+BENCHMARK(kvattn_prefill<kvattn::fp8_e4m3_layer>)->Name("prefill/kvattn/fp8_layer")->Apply(args);
 BENCHMARK(eigen_prefill<kvattn::bf16>)->Name("prefill/eigen/bf16")->Apply(args);
 
 }  // namespace

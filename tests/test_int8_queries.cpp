@@ -7,8 +7,8 @@
 // of the scales' product, the softmax and the values. Shapes: group sizes 1, 3, 4, 8; head sizes
 // 128, 64 and ones that leave a partial step of the integer dot product (7, 72, 200); page sizes 1,
 // 7, 16; contexts 0, 1 and thousands; 1 and 3 queries; split-KV; a composed policy; the scalar
-// path (fp32 multiply-adds of the same integers) and the native one (AVX-512 VNNI, AVX-VNNI or
-// NEON's dot product where the build has them). What the quantized query costs against the exact fp32
+// path (fp32 multiply-adds of the same integers) and the native one (AVX-512 VNNI, AVX-VNNI,
+// AVX2's vpmaddubsw or NEON's dot product, as the build has them). What the quantized query costs against the exact fp32
 // path on realistic keys is in test_formats.cpp (FormatAccuracy).
 #include <kvattn/decode.hpp>
 
@@ -81,7 +81,7 @@ template <class P, class Isa, class PF = kvattn::SerialFor> void check_formats(c
 }
 
 // The scalar path and the native one; an AVX-512 build runs its AVX2 kernels too (AVX-VNNI's
-// integer dot product where the build has it).
+// integer dot product where the build has it, else vpmaddubsw's).
 #if KVATTN_HAS_AVX512
 using Isas = ::testing::Types<decode_check::IsaTag<kvattn::isa::scalar>, decode_check::IsaTag<kvattn::isa::avx2>,
                               decode_check::IsaTag<kvattn::isa::avx512>>;

@@ -48,8 +48,9 @@ struct DecodeParams {
   /// GQA-family decode over an int8 format (int8_row, hadamard<int8_row>) only: each query row
   /// is quantized to int8 like a key row (one scale, max |q| / 127, after the rotation of a
   /// rotated format) and scored with integer dot products, exact in 32 bits, times the two
-  /// scales: AVX-512 VNNI, AVX-VNNI and NEON's dot product compute them, other instruction sets
-  /// the same sums with fp32 multiply-adds. false: the query stays fp32.
+  /// scales: AVX-512 VNNI, AVX-VNNI, AVX2 (vpmaddubsw, vpmaddwd) and NEON's dot product compute
+  /// them, other instruction sets the same sums with fp32 multiply-adds. false: the query stays
+  /// fp32.
   bool int8_queries = false;
   /// With int8_queries only (it needs them): the probabilities of each query row times the
   /// values' scales, in tiles of 32 keys, are rounded to 8 bits relative to the tile's largest

@@ -483,6 +483,13 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
         // Tokens past the end of the later span prefetch their own rows again: no test per token.
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n; ++t) ahead[t] = t < n_ahead ? sp->token[i0 + t] + ahead_offset : keys[t];
+        if constexpr (kRowScale) {  // and that unit's scales, which live in their own lines (the page's scale block)
+          const std::int64_t k_at = kv.layout.key_scale(hp, 0), v_at = kv.layout.value_scale(hp, 0);
+          for (int t = 0; t < n_ahead; ++t) {
+            KVATTN_PREFETCH_L2(sp->scale[i0 + t] + k_at);
+            KVATTN_PREFETCH_L2(sp->scale[i0 + t] + v_at);
+          }
+        }
         // Only the first block of rows prefetches: the later unit's rows are fetched once per tile.
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);

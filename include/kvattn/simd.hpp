@@ -349,10 +349,12 @@ template <> struct Vec<isa::neon> {
 
 /// Integer dot products of int8 rows, for int8 keys scored against int8 queries
 /// (DecodeParams::int8_queries); I8Dot<Isa>::available where the instruction set has them
-/// (AVX-512 VNNI, AVX-VNNI on an AVX2 build, NEON's dot product):
+/// (AVX-512 VNNI; AVX-VNNI on an AVX2 build, else AVX2's vpmaddubsw and vpmaddwd; NEON's dot
+/// product):
 ///   bytes              int8 values one step reads and multiplies;
 ///   Acc, zero()        lanes of int32 partial sums;
-///   load_key(p)        `bytes` key values (load_key_partial: the first n, 0 < n < bytes);
+///   load_key(p)        `bytes` key values, in the form dot takes them (load_key_partial: the
+///                      first n, 0 < n < bytes);
 ///   load_query(p)      `bytes` query values (a query row is zero-padded to whole steps);
 ///   dot(acc, k, q)     acc + the products, summed four at a time into each int32 lane;
 ///   key_offset         what load_key adds to each key value (AVX-512 VNNI multiplies unsigned
@@ -385,6 +387,36 @@ template <> struct I8Dot<isa::avx2> {  // AVX-VNNI: the same instruction on 256-
   }
   static __m256i load_query(const std::int8_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static Acc dot(Acc acc, __m256i k, __m256i q) noexcept { return _mm256_dpbusd_avx_epi32(acc, k, q); }
+  static Vec<isa::avx2> to_vec(Acc a) noexcept { return {_mm256_cvtepi32_ps(a)}; }
+};
+#elif KVATTN_HAS_AVX2
+template <> struct I8Dot<isa::avx2> {  // AVX2 alone: vpmaddubsw and vpmaddwd
+  static constexpr bool available = true;
+  static constexpr int bytes = 32;
+  static constexpr int key_offset = 0;  // signed keys: |k| times q with k's sign
+  static constexpr int value_columns = 0;  // values: fp32 multiply-adds
+  using Acc = __m256i;
+  /// A key step as vpmaddubsw takes it: |k| (unsigned) and k (for its signs). Keys and queries
+  /// are in [-127, 127] (int8_row never stores -128), so a pair of products, at most
+  /// 2 · 127 · 127, never saturates vpmaddubsw's 16-bit sums.
+  struct Key {
+    __m256i magnitude, k;
+  };
+  static Acc zero() noexcept { return _mm256_setzero_si256(); }
+  static Key load_key(const int8_row* p) noexcept {
+    const __m256i k = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return {_mm256_sign_epi8(k, k), k};
+  }
+  static Key load_key_partial(const int8_row* p, int n) noexcept {
+    alignas(32) std::int8_t tmp[bytes] = {};
+    std::memcpy(tmp, p, static_cast<std::size_t>(n));
+    return load_key(reinterpret_cast<const int8_row*>(tmp));
+  }
+  static __m256i load_query(const std::int8_t* p) noexcept { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static Acc dot(Acc acc, const Key& k, __m256i q) noexcept {
+    const __m256i pairs = _mm256_maddubs_epi16(k.magnitude, _mm256_sign_epi8(q, k.k));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+  }
   static Vec<isa::avx2> to_vec(Acc a) noexcept { return {_mm256_cvtepi32_ps(a)}; }
 };
 #endif
