@@ -188,8 +188,11 @@ class KvFormat {
   std::string check(const Model& model) const {
     if (holds(model.attention)) return {};
     if (model.is_mla())
-      return detail::concat("the ", name_, " format (", row_scale() ? "a scale per row" : layer_scale_ ? "scales per layer" : "rotated rows",
-                            " of a KV head) holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
+      return detail::concat("the ", name_, " format (",
+                            row_scale()    ? "a scale per row of a KV head"
+                            : layer_scale_ ? "a key and a value scale per layer"
+                                           : "rotated rows of a KV head",
+                            ") holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
     return detail::concat("the ", name_, " format rotates rows of head_dim=", model.gqa().head_dim, " (model '", model.name,
                           "'): head_dim must be a power of two up to ", kMaxRotatedDim);
   }
