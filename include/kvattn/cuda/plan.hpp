@@ -244,7 +244,8 @@ class DecodePlan {
                                                      "): make the plan again after the step's appends, forks and copy-on-write writes"));
     if (layer < 0 || layer >= cache.config().layers)
       raise<invalid_argument>(kvattn::detail::concat(op, ": layer=", layer, " is outside [0, ", cache.config().layers, ")"));
-    return PagedKvView<T>{cache.layer_data(layer), cache.layout(), device_.indptr, device_.indices, device_.last_page_len, batch_};
+    return PagedKvView<T>{cache.layer_data(layer), cache.layout(), device_.indptr, device_.indices, device_.last_page_len, batch_,
+                          cache.scales(layer)};
   }
 
   /// Checks that `kv` is a view of this plan (view()): its page table is the plan's device copy,
@@ -370,7 +371,8 @@ class DecodePlan {
   void finish(const char* op, const PagedKvCache<T, M>& cache, const BatchPageTable& table, const SplitRule& rule,
               std::int64_t rows_per_item, int width, cudaStream_t stream) {
     const int B = table.batch();
-    host_.split(PagedKvView<T>{nullptr, cache.layout(), table.indptr.data(), table.indices.data(), table.last_page_len.data(), B},
+    host_.split(PagedKvView<T>{nullptr, cache.layout(), table.indptr.data(), table.indices.data(), table.last_page_len.data(), B,
+                               KvScales{}},
                 host_.params().chunk_tokens, rule, 0);
     std::vector<Item>& items = host_.items();
     if (static_cast<std::int64_t>(items.size()) > impl::kMaxGridX)
