@@ -36,14 +36,14 @@ std::string decode_error(const kvattn::GqaShape& shape, DecodeMisuse misuse) {
       const kvattn::MlaShape mla{shape.q_heads, 64, 8, 16, 16, 0};
       const auto mla_cache = host_cache(mla);
       plan.make(mla_cache, kvattn::BatchPageTable{}, mla, kvattn::DecodeParams{});
-      const kvattn::PagedKvView<kvattn::fp16> view{nullptr, mla_cache.layout(), nullptr, nullptr, nullptr, 0};
+      const kvattn::PagedKvView<kvattn::fp16> view{nullptr, mla_cache.layout(), nullptr, nullptr, nullptr, 0, kvattn::KvScales{}};
       kc::decode(view, nullptr, nullptr, nullptr, plan);
       return {};
     }
     if (misuse != DecodeMisuse::never_made) plan.make(cache, kvattn::BatchPageTable{}, shape, kvattn::DecodeParams{});
     // The plan's view of an empty batch: no device arrays (DecodePlan::view needs a device cache).
     const kvattn::PagedKvView<kvattn::fp16> view{nullptr, cache.layout(), nullptr, nullptr, nullptr,
-                                                 misuse == DecodeMisuse::batch_mismatch ? 1 : 0};
+                                                 misuse == DecodeMisuse::batch_mismatch ? 1 : 0, kvattn::KvScales{}};
     const float slopes[1] = {0.0f};
     const std::uint64_t bits[3] = {1, 1, 1};
     switch (misuse) {

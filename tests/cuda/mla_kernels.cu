@@ -24,7 +24,7 @@ void mla_decode_without_device(const kvattn::AttentionShape& cache_shape, int vi
   const kvattn::PagedKvCache<float> cache(kvattn::CacheConfig{1, 4, 1, cache_shape});
   kc::DecodePlan plan;
   plan.make(cache, kvattn::BatchPageTable{}, shape, p);  // an empty batch: no device
-  const kvattn::PagedKvView<float> view{nullptr, cache.layout(), nullptr, nullptr, nullptr, view_batch};
+  const kvattn::PagedKvView<float> view{nullptr, cache.layout(), nullptr, nullptr, nullptr, view_batch, kvattn::KvScales{}};
   float dummy[1] = {0.0f};
   kc::mla_decode(view, null_q ? nullptr : dummy, dummy, nullptr, plan);
 }
