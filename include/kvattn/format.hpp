@@ -36,7 +36,7 @@
 //                      s · 2^8, and to_float(fp8_e4m3_row) gives q · 2^-8 (both exact).
 //   fp8_e4m3_layer     the same bytes with one key scale and one value scale per layer, fixed when
 //                      the cache is made, as a checkpoint gives them (k_scale, v_scale; 1 when
-//                      it gives none): q_i = e4m3(x_i / s), x_i ≈ q_i · s. A value beyond
+//                      it gives none): q_i = e4m3(x_i · (1 / s)), x_i ≈ q_i · s. A value beyond
 //                      448 · s saturates to ±448 · s. A NaN or an infinity cannot be carried by
 //                      a byte the kernels read as a number, so writing one is refused (the write
 //                      throws kvattn::invalid_argument naming the row, and writes nothing).
@@ -235,8 +235,8 @@ template <> struct format_traits<fp8_e4m3_layer> {
       if (!std::isfinite(to_float(src[i]))) return i;
     return n;
   }
-  /// src [n] (fp32, fp16 or bf16, every value finite) -> dst [n], q_i = e4m3(src_i / scale),
-  /// saturating at ±448; `scale` is the layer's (positive, finite).
+  /// src [n] (fp32, fp16 or bf16, every value finite) -> dst [n], q_i = e4m3(src_i · (1 / scale)),
+  /// saturating at ±448; `scale` is the layer's (valid_scale).
   template <class Src> static void quantize_row(const Src* src, fp8_e4m3_layer* dst, std::size_t n, float scale) noexcept {
     const float inv = 1.0f / scale;
     for (std::size_t i = 0; i < n; ++i) dst[i].bits = fp8_e4m3_encode(to_float(src[i]) * inv);
