@@ -25,12 +25,14 @@
 //     shape  gqa32x8: 32 query heads, 8 KV heads (groups of 4); mha32x32: 32 and 32. Head size 128.
 //     dtype  bf16 or fp16 K/V storage, or int8 / fp8 (kvattn::int8_row, kvattn::fp8_e4m3_row:
 //            8-bit values and one fp32 scale per row, in the page's scale block), or fp8_layer
-//            (kvattn::fp8_e4m3_layer: 8-bit values, the scales the layer's; kvattn rows
-//            only: compare them with bf16's of the same run); queries and outputs fp32:
+//            (kvattn::fp8_e4m3_layer: 8-bit values, the scales the layer's), or q4
+//            (kvattn::q4_block: 4-bit values, an fp16 scale and minimum per block of 32, in the
+//            page's scale block) (the quantized formats: kvattn rows only: compare them with
+//            bf16's of the same run); queries and outputs fp32:
 //            q, out [B][1][32][128].
 //   One query per sequence (plain decode), every sequence C tokens long, pages of 16 tokens.
 //   bytes_per_second = B · C · kv_heads · 2 (K and V) · row bytes per step (128 · 2 for the 16-bit
-//   types, 128 + 4 for int8 and fp8: values and scale, 128 for fp8_layer): the cache bytes
+//   types, 128 + 4 for int8 and fp8: values and scale, 128 for fp8_layer, 64 + 16 for q4): the cache bytes
 //   decode must read, the same count for both implementations, so their ratio is direct and each
 //   compares with machine/read_bandwidth (printed at the end of the same run; the N-thread figure
 //   of one is the ceiling of the other). Every benchmark runs in wall time.
@@ -137,10 +139,10 @@ constexpr double kTolerance = 1e-3;  // baseline vs kvattn, absolute, on outputs
 template <class T> constexpr const char* type_name() { return kvattn::format_traits<T>::name.data(); }
 
 /// Bytes of K and V one decode step must read: every token of every sequence, every KV head,
-/// the rows' scales included (int8_row, fp8_e4m3_row: one fp32 per row).
+/// the rows' scales included (int8_row, fp8_e4m3_row: one fp32 per row; q4_block: 4 bytes per
+/// block of 32): PageLayout::token_bytes.
 template <class T> std::int64_t kv_bytes(const GqaShape& shape, std::int64_t batch, std::int64_t ctx) {
-  const std::int64_t row = shape.head_dim * static_cast<std::int64_t>(sizeof(T)) + (kvattn::format_traits<T>::row_scale ? 4 : 0);
-  return batch * ctx * shape.kv_heads * 2 * row;
+  return batch * ctx * kvattn::PageLayout::of<T>(shape, kPage).token_bytes();
 }
 
 std::string mib(std::int64_t bytes) { return std::to_string(bytes >> 20) + " MiB"; }
@@ -245,7 +247,7 @@ template <class T> struct Setup {
 
   Setup(const benchmark::State& state, const GqaShape& s)
       : shape(s), ctx(state.range(0)), batch(state.range(1)), threads(static_cast<int>(state.range(2))),
-        layout(kvattn::PageLayout::make(s, kPage, sizeof(T), kvattn::format_traits<T>::row_scale)),
+        layout(kvattn::PageLayout::of<T>(s, kPage)),
         pool(reinterpret_cast<const T*>(pool_storage())), bytes(kv_bytes<T>(s, batch, ctx)),
         tables(make_tables(kMaxCacheBytes / (layout.page_stride * static_cast<std::int64_t>(sizeof(T))), batch, ctx, bytes)),
         q(make_queries(s, batch)), out(q.size()) {}
@@ -473,6 +475,7 @@ const bool registered = [] {
   register_family<kvattn::int8_row>("mha32x32", mha, false);
   register_family<kvattn::fp8_e4m3_row>("gqa32x8", gqa, false);  // fp8 e4m3, a scale per row, likewise
   register_family<kvattn::fp8_e4m3_layer>("gqa32x8", gqa, false);  // fp8 e4m3, the layer's scales, likewise
+  register_family<kvattn::q4_block>("gqa32x8", gqa, false);  // 4-bit blocks of 32, a scale and minimum each, likewise
   kvattn::bench::register_read_with_fma();  // the reads a kernel keeps for the core time it spends per byte
   return true;
 }();

@@ -3,6 +3,7 @@
 //   kv_budget --preset deepseek-v2 --context 131072 --compare
 //   kv_budget --layers 32 --q-heads 32 --kv-heads 8 --head-dim 128 --bits 8 --json
 //   kv_budget --preset llama-3-8b --format int8 --memory 80GiB --weights 16GB
+//   kv_budget --preset llama-3-8b --format q4_hadamard --memory 80GiB --weights 16GB
 //   kv_budget --preset llama-3.1-70b --memory 80GiB --weights 141GB --tp 4
 //
 // Every figure comes from kvattn/budget.hpp; this file only reads flags and prints.
@@ -33,10 +34,13 @@ options:
   --batch B       sequences (default 1)
   --bits N        bits per cached element, fractions allowed (default 16): a uniform width,
                   for formats the cache may not have
-  --format NAME   a KV format of the cache, counted exactly: its values and per-row scales,
-                  and capacity in pages padded as the cache pads them. Excludes --bits.
-                  NAME: {formats}. A design the format cannot hold
-                  (MLA in int8, a head_dim not a power of two in int8_hadamard) shows as n/a
+  --format NAME   a KV format of the cache, counted exactly: its values and its scales (per
+                  row, or per block of 32 values in q4), and capacity in pages padded as the
+                  cache pads them. Excludes --bits.
+                  NAME: {formats}.
+                  A design the format cannot hold (MLA in int8 or q4, a head_dim not a power
+                  of two in int8_hadamard or q4_hadamard, not a multiple of 32 in q4) shows
+                  as n/a
   --compare       the same model as MHA, GQA, MQA and MLA side by side, where the shape allows
   --json          machine-readable: a JSON array, one object per row, exact integer byte counts
   --memory SIZE   memory of one device (e.g. 80GiB, 141GB, 1073741824): plan capacity
@@ -263,12 +267,17 @@ struct Row {
   std::string plan_error;
 };
 
-/// "16 bits per element", "int8 format (8-bit values, a 4-byte scale per row)"
+/// "16 bits per element", "int8 format (8-bit values, a 4-byte scale per row)",
+/// "q4 format (4-bit values, a 4-byte scale and minimum per block of 32 values)"
 std::string width_text(const kvattn::Workload& w) {
   if (!w.format) return w.bits.to_string() + " bits per element";
   const kvattn::KvFormat& f = *w.format;
+  // The cache's block scales are BlockScale: an fp16 scale and an fp16 minimum.
   return kvattn::detail::concat(f.name(), " format (", f.bits(), "-bit values",
                                 f.row_scale() ? kvattn::detail::concat(", a ", f.scale_bytes(), "-byte scale per row") : "",
+                                f.block_scale() ? kvattn::detail::concat(", a ", f.block_scale_bytes(), "-byte scale and minimum per block of ",
+                                                                         f.block(), " values")
+                                                : "",
                                 f.layer_scale() ? ", one key and one value scale per layer" : "",
                                 f.rotated() ? ", rows Hadamard-rotated" : "", ")");
 }
@@ -287,8 +296,9 @@ void print_json(const Options& o, const std::vector<Row>& rows) {
     else
       std::printf(", \"kv_heads\": %d, \"head_dim\": %d", m.gqa().kv_heads, m.gqa().head_dim);
     if (o.workload.format)
-      std::printf(", \"format\": \"%s\", \"scale_bytes_per_row\": %d", std::string(o.workload.format->name()).c_str(),
-                  o.workload.format->scale_bytes());
+      std::printf(", \"format\": \"%s\", \"scale_bytes_per_row\": %d, \"block\": %d, \"scale_bytes_per_block\": %d",
+                  std::string(o.workload.format->name()).c_str(), o.workload.format->scale_bytes(),
+                  o.workload.format->block(), o.workload.format->block_scale_bytes());
     else
       std::printf(", \"format\": null");
     std::printf(", \"bits\": %s, \"context\": %" PRIu64 ", \"batch\": %" PRIu64, o.workload.bits.to_string().c_str(),

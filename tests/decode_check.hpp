@@ -39,11 +39,12 @@ void check(const Case& c, PF&& pf) {
 
 /// check for fp32, fp16 and bf16 storage, and on the native ISA also int8_row, fp8_e4m3_row and,
 /// for the plain operator, fp8_e4m3_layer (its scales are folded into the softmax scale and the
-/// output, outside the score policies' hooks) and, for head sizes that are powers of two,
-/// hadamard<int8_row> (the rotation, likewise); the 8-bit formats against the
-/// reference on the cache's dequantized keys and values, which read() returns, so within the
-/// same bounds. The 8-bit formats' kernels are the 16-bit ones' with another load and a scale
-/// per token: what their portable path adds is checked where it is the native one (the scalar
+/// output, outside the score policies' hooks), for head sizes that are powers of two
+/// hadamard<int8_row> (the rotation, likewise) and for head sizes that are whole blocks of 32
+/// q4_block (its blocks' scales are applied as a row is loaded, before the scores the policies
+/// see); the quantized formats against the reference on the cache's dequantized keys and values,
+/// which read() returns, so within the same bounds. The quantized formats' kernels are the 16-bit
+/// ones' with another load and a scale per token (per block): what their portable path adds is checked where it is the native one (the scalar
 /// preset) and by test_int8_queries, and every policy's kernels on each x86 ISA by
 /// test_x86_isas, without compiling the 8-bit kernels of every policy twice in each of these
 /// files (they are most of its compile time).
@@ -58,6 +59,7 @@ void check_all_storage(const Case& c, PF&& pf = PF{}) {
     if constexpr (std::is_same_v<P, kvattn::Plain>) {
       check<P, kvattn::fp8_e4m3_layer, Isa>(c, pf);
       if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check<P, kvattn::hadamard<kvattn::int8_row>, Isa>(c, pf);
+      if (c.shape.head_dim % 32 == 0) check<P, kvattn::q4_block, Isa>(c, pf);
     }
   }
 }

@@ -43,6 +43,12 @@ template <class Fn> void with_policy(Policy which, Fn&& fn) {
   }
 }
 
+/// Formats whose kernels are instantiated here for the plain policy only (Kernels::decode and
+/// prefill then take Policy::plain alone): the block-scaled ones (q4_block), whose blocks' scales
+/// are applied as a row is loaded, before anything a policy sees, so that the other policies'
+/// kernels would check nothing the 16-bit formats' do not, at most of a file's compile time.
+template <class T> inline constexpr bool kPlainOnly = kvattn::format_traits<T>::block_scale;
+
 /// The kernels for instruction set Isa (kvattn::isa::avx2 or avx512) and storage type T, with the
 /// policy `which` made from `values` (policy_checks::make). `pool` null: kvattn::SerialFor;
 /// otherwise the work runs on it (and the plan is made for its threads).

@@ -5,6 +5,7 @@
 
 #include "isa_kernels.hpp"
 
+#include <stdexcept>
 #include <vector>
 
 namespace isa_kernels {
@@ -22,13 +23,19 @@ void Kernels<Isa, T>::decode(const kvattn::PagedKvView<T>& view, const kvattn::G
                              float* lse, const kvattn::DecodeParams& params, Policy which, const policy_checks::Values& values,
                              kvattn::ThreadPool* pool) {
   kvattn::DecodePlan plan;
-  with_policy(which, [&](auto tag) {
+  const auto run = [&](auto tag) {
     using P = typename decltype(tag)::type;
     detail::with_pool(pool, [&](auto&& pf) {
       plan.make(view, shape, params, pf);
       kvattn::decode(view, q, out, lse, plan, pf, policy_checks::make<P>(values), Isa{});
     });
-  });
+  };
+  if constexpr (kPlainOnly<T>) {
+    if (which != Policy::plain) throw std::logic_error("isa_kernels: this format's decode is instantiated for the plain policy only");
+    run(PolicyTag<kvattn::Plain>{});
+  } else {
+    with_policy(which, run);
+  }
 }
 
 template <class Isa, class T>
@@ -37,13 +44,19 @@ void Kernels<Isa, T>::prefill(kvattn::PagedKvCache<T>& cache, kvattn::SeqId seq,
                               const kvattn::PrefillParams& params, Policy which, const policy_checks::Values& values,
                               kvattn::ThreadPool* pool) {
   kvattn::PrefillPlan plan;
-  with_policy(which, [&](auto tag) {
+  const auto run = [&](auto tag) {
     using P = typename decltype(tag)::type;
     detail::with_pool(pool, [&](auto&& pf) {
       plan.make(cache, {{seq, n}}, shape, params, pf);
       kvattn::prefill(cache, 0, q, k, v, out, lse, plan, pf, policy_checks::make<P>(values), Isa{});
     });
-  });
+  };
+  if constexpr (kPlainOnly<T>) {
+    if (which != Policy::plain) throw std::logic_error("isa_kernels: this format's prefill is instantiated for the plain policy only");
+    run(PolicyTag<kvattn::Plain>{});
+  } else {
+    with_policy(which, run);
+  }
 }
 
 template <class Isa, class T>

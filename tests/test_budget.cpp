@@ -1,6 +1,6 @@
 // The KV-cache arithmetic: DESIGN.md's worked examples, the identities between designs,
-// linearity, sub-byte widths, the cache's KV formats counted exactly (against real caches' page
-// layouts), and the capacity planner under tensor parallelism.
+// linearity, sub-byte widths, the cache's KV formats counted exactly (their row and block scales,
+// against real caches' page layouts), and the capacity planner under tensor parallelism.
 #include <kvattn/budget.hpp>
 #include <kvattn/paged_cache.hpp>
 
@@ -47,9 +47,18 @@ static_assert(KvFormat::of<kvattn::hadamard<kvattn::int8_row>>() == kv_formats::
 static_assert(KvFormat::of<kvattn::fp8_e4m3_row>() == kv_formats::fp8);
 static_assert(KvFormat::of<kvattn::hadamard<kvattn::fp8_e4m3_row>>() == kv_formats::fp8_hadamard);
 static_assert(KvFormat::of<kvattn::fp8_e4m3_layer>() == kv_formats::fp8_layer);
+static_assert(KvFormat::of<kvattn::q4_block>() == kv_formats::q4);
+static_assert(KvFormat::of<kvattn::hadamard<kvattn::q4_block>>() == kv_formats::q4_hadamard);
 static_assert(KvFormat::kMaxRotatedDim == kvattn::kMaxRotatedDim);
+static_assert(KvFormat::kMaxBlockScaledDim == kvattn::kMaxBlockScaledDim);
+static_assert(KvFormat::kBlockScaleBytes == sizeof(kvattn::BlockScale));
+static_assert(kv_formats::q4.block() == kvattn::format_traits<kvattn::q4_block>::block);
+static_assert(kv_formats::q4.values_per_unit() == kvattn::format_traits<kvattn::q4_block>::values_per_unit);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::int8}).bytes_per_token == 67584);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::bf16}).bytes_per_token == 131072);
+// q4: 2·8·(128/2 + 128/32·4)·32 = 40,960 bytes per token, its values and a 4-byte block scale per 32.
+static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::q4}).bytes_per_token == 40960);
+static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::q4_hadamard}).bytes_per_token == 40960);
 
 TEST(Footprint, DesignWorkedExamples) {
   const auto f = kvattn::footprint(presets::llama2_7b.model, Workload{4096, 1, 16});
@@ -273,11 +282,16 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
   EXPECT_EQ(KvFormat::parse("fp8"), kv_formats::fp8);
   EXPECT_EQ(KvFormat::parse("fp8_hadamard"), kv_formats::fp8_hadamard);
   EXPECT_EQ(KvFormat::parse("fp8_layer"), kv_formats::fp8_layer);
+  EXPECT_EQ(KvFormat::parse("q4"), kv_formats::q4);
+  EXPECT_EQ(KvFormat::parse("q4_hadamard"), kv_formats::q4_hadamard);
+  EXPECT_NE(kv_formats::q4, kv_formats::q4_hadamard);
+  EXPECT_NE(kv_formats::q4, (KvFormat{"q4", 4, KvFormat::Blocks{64, 4}}));  // the block is part of it
+  EXPECT_NE(kv_formats::q4, (KvFormat{"q4", 4, KvFormat::Blocks{32, 2}}));
   EXPECT_NE(kv_formats::fp8_layer, (KvFormat{"fp8_layer", 8}));  // the per-layer scales are part of it
   EXPECT_NE(kv_formats::fp16, kv_formats::bf16);  // same width, another format
   EXPECT_NE(kv_formats::int8, kv_formats::fp8);
-  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer");
-  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 "}) {
+  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard");
+  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 ", "q4_block", "Q4", "q4_0"}) {
     SCOPED_TRACE(bad);
     try {
       KvFormat::parse(bad);
@@ -285,11 +299,17 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
     } catch (const kvattn::invalid_argument& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("'" + std::string(bad) + "'"), std::string::npos) << what;
-      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer"), std::string::npos) << what;
+      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard"), std::string::npos) << what;
     }
   }
-  EXPECT_THROW(KvFormat("q4", 4), kvattn::invalid_argument);  // values are whole bytes
+  EXPECT_THROW(KvFormat("x", 4), kvattn::invalid_argument);  // 4-bit values come in blocks with scales
+  EXPECT_THROW(KvFormat("x", 3, KvFormat::Blocks{32, 4}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 4, KvFormat::Blocks{31, 4}), kvattn::invalid_argument);  // 15.5 bytes
+  EXPECT_THROW(KvFormat("x", 4, KvFormat::Blocks{32, 0}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 4, KvFormat::Blocks{0, 4}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 8, KvFormat::Blocks{-32, 4}), kvattn::invalid_argument);
   EXPECT_THROW(KvFormat("x", 8, -1), kvattn::invalid_argument);
+  EXPECT_NO_THROW(KvFormat("x", 8, KvFormat::Blocks{3, 2}));  // whole bytes need no even block
 }
 
 TEST(Formats, ExactBytesPerTokenCountTheScales) {
@@ -325,7 +345,8 @@ TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
   const Model& ds = presets::deepseek_v2.model;  // 576 elements per token per layer, 60 layers
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 69120u);
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::fp32}).bytes_per_token, 138240u);
-  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard, kv_formats::fp8_layer}) {
+  for (const KvFormat& f : {kv_formats::int8, kv_formats::int8_hadamard, kv_formats::fp8, kv_formats::fp8_hadamard,
+                            kv_formats::fp8_layer, kv_formats::q4, kv_formats::q4_hadamard}) {
     SCOPED_TRACE(std::string(f.name()));
     EXPECT_FALSE(f.holds(ds.attention));
     try {
@@ -374,6 +395,73 @@ TEST(Formats, HadamardNeedsAPowerOfTwoHeadDim) {
   }
 }
 
+TEST(Formats, Q4CountsItsValuesAsHalfBytesAndItsBlockScales) {
+  const Model& m = presets::llama3_8b.model;  // 32 layers, 8 KV heads of 128
+  for (const KvFormat& f : {kv_formats::q4, kv_formats::q4_hadamard}) {
+    SCOPED_TRACE(std::string(f.name()));
+    const auto q4 = kvattn::footprint(m, Workload{4096, 3, f});
+    EXPECT_EQ(q4.elements_per_token_layer, 2048u);
+    EXPECT_EQ(q4.bytes_per_token_layer, 2u * 8 * (64 + 16));  // 1,280, against bf16's 4,096
+    EXPECT_EQ(q4.bytes_per_token, 40960u);
+    EXPECT_EQ(q4.bytes_per_batch, 40960u * 4096 * 3);
+    // 5 bits per value exactly (4 bits and 32 bits of scale and minimum per 32 values): a
+    // uniform 5 bits counts the same bytes.
+    EXPECT_EQ(q4.bytes_per_batch, kvattn::footprint(m, Workload{4096, 3, 5}).bytes_per_batch);
+    EXPECT_EQ(Workload(1, 1, f).bits, ElementBits(4));
+    EXPECT_TRUE(f.block_scale());
+    EXPECT_FALSE(f.row_scale());
+    EXPECT_EQ(f.unit_bytes(), 1);
+    EXPECT_EQ(f.values_per_unit(), 2);
+  }
+  // The blocks' share is the same at any head size: MQA of 32, 3 layers: 2·(16 + 4)·3; 96 (not
+  // a power of two: q4 only): 2·3·(48 + 12).
+  EXPECT_EQ(kvattn::footprint(Model{"m", 3, GqaShape::mqa(5, 32)}, Workload{1, 1, kv_formats::q4}).bytes_per_token, 120u);
+  EXPECT_EQ(kvattn::footprint(Model{"m", 1, GqaShape::gqa(6, 3, 96)}, Workload{1, 1, kv_formats::q4}).bytes_per_token, 360u);
+  EXPECT_FALSE(kv_formats::q4_hadamard.holds(GqaShape::gqa(6, 3, 96)));
+}
+
+TEST(Formats, Q4NeedsAHeadDimOfWholeBlocksUpTo1024) {
+  for (int d : {1, 16, 48, 80, 100, 200, 1056}) {
+    SCOPED_TRACE(d);
+    const Model m{"x", 2, GqaShape::gqa(8, 2, d)};
+    EXPECT_TRUE(kv_formats::int8.check(m).empty());
+    for (const KvFormat& f : {kv_formats::q4, kv_formats::q4_hadamard}) {
+      EXPECT_FALSE(f.holds(m.attention)) << f.name();
+      const std::string why = f.check(m);
+      EXPECT_NE(why.find("the " + std::string(f.name()) + " format quantizes blocks of 32 values: head_dim=" + std::to_string(d) +
+                         " of model 'x' is not a multiple of 32 up to 1024"),
+                std::string::npos)
+          << why;
+      try {
+        kvattn::footprint(m, Workload{1, 1, f});
+        ADD_FAILURE() << "a q4 footprint of head_dim " << d;
+      } catch (const kvattn::invalid_argument& e) {
+        EXPECT_EQ(std::string(e.what()), why);
+      }
+      EXPECT_THROW(kvattn::plan_capacity(m, [&] {
+                     kvattn::CapacityRequest r;
+                     r.device_bytes = GiB;
+                     r.format = f;
+                     return r;
+                   }()),
+                   kvattn::invalid_argument);
+    }
+    // The real caches say the same.
+    EXPECT_THROW((kvattn::PagedKvCache<kvattn::q4_block>(kvattn::CacheConfig{2, 1, 1, m.attention})), kvattn::invalid_argument);
+    EXPECT_THROW((kvattn::PagedKvCache<kvattn::hadamard<kvattn::q4_block>>(kvattn::CacheConfig{2, 1, 1, m.attention})),
+                 kvattn::invalid_argument);
+  }
+  // A multiple of 32 that is not a power of two: q4 holds it, q4_hadamard names the rotation.
+  const Model m96{"x", 2, GqaShape::gqa(8, 2, 96)};
+  EXPECT_TRUE(kv_formats::q4.check(m96).empty());
+  EXPECT_NE(kv_formats::q4_hadamard.check(m96).find("rotates rows of head_dim=96 (model 'x')"), std::string::npos)
+      << kv_formats::q4_hadamard.check(m96);
+  for (int d : {32, 64, 128, 256, 1024}) {
+    EXPECT_TRUE(kv_formats::q4.check(Model{"x", 2, GqaShape::gqa(8, 2, d)}).empty()) << d;
+    EXPECT_TRUE(kv_formats::q4_hadamard.check(Model{"x", 2, GqaShape::gqa(8, 2, d)}).empty()) << d;
+  }
+}
+
 TEST(Formats, OverflowIsAnErrorNotAWrappedNumber) {
   const Workload huge{std::uint64_t{1} << 40, std::uint64_t{1} << 20, kv_formats::int8};
   EXPECT_THROW(kvattn::footprint(presets::llama31_405b.model, huge), kvattn::invalid_argument);
@@ -410,6 +498,14 @@ TEST(Formats, PagesArePaddedAsThePageLayoutPadsThem) {
   const Model mla{"mla", 2, MlaShape{4, 10, 2, 8, 8, 0}};
   EXPECT_EQ(kvattn::plan_capacity(mla, format_request(kv_formats::bf16, 3)).bytes_per_page_per_rank, 2u * 128);
   EXPECT_EQ(kvattn::plan_capacity(mla, format_request(kv_formats::bf16, 3)).bytes_per_token_per_rank, 2u * 24);
+  // q4, 3 KV heads of 32, pages of 3 tokens: a head block holds 3·16 = 48 bytes, padded to 64;
+  // six of them and a scale block of 2·3·3·(32/32)·4 = 72 bytes, padded to 128: 512 bytes per
+  // layer, against 3 · 2·3·(16 + 4) = 360 bytes of tokens.
+  const Model small{"small", 5, GqaShape::gqa(6, 3, 32)};
+  const auto q4 = kvattn::plan_capacity(small, format_request(kv_formats::q4, 3));
+  EXPECT_EQ(q4.bytes_per_token_per_rank, 5u * 120);
+  EXPECT_EQ(q4.bytes_per_page_per_rank, 5u * 512);
+  EXPECT_EQ(q4.pages, MiB / (5 * 512));
 }
 
 /// plan_capacity's page bytes and pages against a real cache of `F` holding `model`'s share of
@@ -426,6 +522,8 @@ template <class F> void expect_pages_match_a_real_cache(const Model& model, int 
   EXPECT_EQ(p.bytes_per_page_per_rank, static_cast<std::uint64_t>(layout.page_stride * layout.unit_bytes * model.layers));
   EXPECT_EQ(p.bytes_per_page_per_rank, static_cast<std::uint64_t>(cache.stats().bytes_per_page));
   EXPECT_EQ(p.bytes_per_token_per_rank, static_cast<std::uint64_t>(layout.token_bytes() * model.layers));
+  EXPECT_EQ(KvFormat::of<F>().bytes_per_token_layer(rank_shape), static_cast<std::uint64_t>(layout.token_bytes()));
+  EXPECT_EQ(KvFormat::of<F>().page_bytes(rank_shape, page), static_cast<std::uint64_t>(layout.page_stride * layout.unit_bytes));
   EXPECT_LE(static_cast<std::uint64_t>(cache.stats().bytes_pool), p.cache_bytes_per_rank);
   EXPECT_GT(static_cast<std::uint64_t>(cache.stats().bytes_pool + cache.stats().bytes_per_page), p.cache_bytes_per_rank);
   EXPECT_EQ(p.tokens, p.pages * static_cast<std::uint64_t>(page));
@@ -435,13 +533,21 @@ TEST(Formats, PagesAreWhatARealCacheHolds) {
   const Model llama{"llama-like", 4, GqaShape::gqa(32, 8, 128)};
   const Model odd{"odd", 3, GqaShape::gqa(12, 3, 24)};
   const Model mla{"mla", 2, MlaShape{4, 10, 2, 8, 8, 0}};
+  const Model odd32{"odd32", 3, GqaShape::gqa(12, 3, 32)};  // q4: head blocks of page_size · 16 bytes
+  const Model wide{"wide", 2, GqaShape::gqa(4, 2, 96)};     // q4: 3 blocks a row
   for (int page : {1, 3, 7, 16, 17}) {
     for (int tp : {1, 2, 16}) {
       expect_pages_match_a_real_cache<kvattn::int8_row>(llama, page, tp);
       expect_pages_match_a_real_cache<kvattn::hadamard<kvattn::int8_row>>(llama, page, tp);
       expect_pages_match_a_real_cache<kvattn::bf16>(llama, page, tp);
       expect_pages_match_a_real_cache<kvattn::fp32>(llama, page, tp);
+      expect_pages_match_a_real_cache<kvattn::q4_block>(llama, page, tp);
+      expect_pages_match_a_real_cache<kvattn::hadamard<kvattn::q4_block>>(llama, page, tp);
     }
+    expect_pages_match_a_real_cache<kvattn::q4_block>(odd32, page, 1);
+    expect_pages_match_a_real_cache<kvattn::q4_block>(odd32, page, 3);
+    expect_pages_match_a_real_cache<kvattn::hadamard<kvattn::q4_block>>(odd32, page, 1);
+    expect_pages_match_a_real_cache<kvattn::q4_block>(wide, page, 1);
     expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 1);
     expect_pages_match_a_real_cache<kvattn::int8_row>(odd, page, 3);
     expect_pages_match_a_real_cache<kvattn::fp16>(odd, page, 1);
@@ -451,22 +557,32 @@ TEST(Formats, PagesAreWhatARealCacheHolds) {
   }
 }
 
-TEST(Formats, Llama3CapacityInInt8) {
-  // Llama 3 8B, int8, pages of 16 tokens: head blocks of 16·128 = 2,048 bytes (whole lines), a
-  // scale block of 2·8·16·4 = 1,024 bytes: 33,792 bytes per page per layer, 32 layers.
+/// Llama 3 8B in `format` on 64 GiB (16 GiB per rank, 4 ranks' worth), pages of 16 tokens: the
+/// bytes per token and per page per layer as PagedKvCache lays them out, and what fits.
+void expect_llama3_capacity(const KvFormat& format, std::uint64_t per_token, std::uint64_t per_page_layer) {
+  SCOPED_TRACE(std::string(format.name()));
   auto r = request(1, 16 * GiB, 16);
-  r.format = kv_formats::int8;
+  r.format = format;
   const auto p = kvattn::plan_capacity(presets::llama3_8b.model, r);
-  EXPECT_EQ(p.bytes_per_token_per_rank, 67584u);
-  EXPECT_EQ(p.bytes_per_page_per_rank, 33792u * 32);
-  EXPECT_EQ(p.pages, 64 * GiB / (33792u * 32));
+  EXPECT_EQ(p.bytes_per_token_per_rank, per_token);
+  EXPECT_EQ(p.bytes_per_page_per_rank, per_page_layer * 32);
+  EXPECT_EQ(p.pages, 64 * GiB / (per_page_layer * 32));
   EXPECT_EQ(p.tokens, 16 * p.pages);
   // With 4 ranks each holds 2 KV heads: a quarter of the bytes.
   r.tensor_parallel = 4;
   const auto p4 = kvattn::plan_capacity(presets::llama3_8b.model, r);
-  EXPECT_EQ(p4.bytes_per_token_per_rank, 67584u / 4);
-  EXPECT_EQ(p4.bytes_per_page_per_rank, 33792u * 32 / 4);
-  EXPECT_EQ(p4.bytes_per_token_all_ranks, 67584u);
+  EXPECT_EQ(p4.bytes_per_token_per_rank, per_token / 4);
+  EXPECT_EQ(p4.bytes_per_page_per_rank, per_page_layer * 32 / 4);
+  EXPECT_EQ(p4.bytes_per_token_all_ranks, per_token);
+}
+
+TEST(Formats, Llama3Capacity) {
+  // int8: head blocks of 16·128 = 2,048 bytes (whole lines), a scale block of 2·8·16·4 = 1,024
+  // bytes: 33,792 bytes per page per layer, 32 layers.
+  expect_llama3_capacity(kv_formats::int8, 67584u, 33792u);
+  // q4: head blocks of 16·64 = 1,024 bytes, a scale block of 2·8·16·4·4 = 4,096 bytes: 20,480
+  // bytes per page per layer, no padding (16 · 1,280).
+  expect_llama3_capacity(kv_formats::q4, 40960u, 20480u);
 }
 
 }  // namespace

@@ -2,8 +2,8 @@
 // 1, 2, 3, 4, 8 and groups = heads; head sizes 64, 128, 256 and odd ones; page sizes 1, 7, 16,
 // 64; contexts 0, 1, page size ± 1 and thousands; mixed batches; 1 and 3 queries per sequence;
 // fp32, fp16 and bf16 storage on the scalar path and the native SIMD path in the same binary, and
-// int8_row, fp8_e4m3_row, fp8_e4m3_layer and hadamard<int8_row> on the native one (decode_check.hpp
-// says why);
+// int8_row, fp8_e4m3_row, fp8_e4m3_layer, hadamard<int8_row> and q4_block on the native one
+// (decode_check.hpp says why);
 // serial and threaded, with and without split-KV. The score policies are tested in files of their
 // own (test_decode_window.cpp, test_decode_soft_cap.cpp, test_decode_window_soft_cap.cpp,
 // test_decode_policies.cpp; see decode_check.hpp).

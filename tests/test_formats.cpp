@@ -1,13 +1,13 @@
-// KV formats (format.hpp) and the cache that stores them: int8_row's, fp8_e4m3_row's and
-// fp8_e4m3_layer's quantization against their definitions (zeros, constant rows, saturation,
-// non-finite values included); the page layout with its scale block; write / read / fork /
+// KV formats (format.hpp) and the cache that stores them: int8_row's, fp8_e4m3_row's,
+// fp8_e4m3_layer's and q4_block's quantization against their definitions (zeros, constant rows,
+// saturation, non-finite values included); the page layout with its scale block; write / read / fork /
 // copy-on-write / truncate carrying the scales with their pages; the per-layer scales; the
 // cases rejected when a cache is made or written; and the quantization error of attention on realistic keys
 // (Gaussian with a few outlier channels 20-50x larger, as real key caches have), as the
 // normalized mean squared error of decode's output against the double reference on the
-// unquantized keys and values.
+// unquantized keys and values (and, for q4_block, why its grid has an offset).
 //
-// The kernels themselves are checked on int8 caches by every decode and prefill test (decode_check.hpp,
+// The kernels themselves are checked on the quantized caches by every decode and prefill test (decode_check.hpp,
 // test_prefill.cpp): there the reference reads the cache's dequantized keys and values, so the
 // bounds are those of the 16-bit types.
 #include <kvattn/decode.hpp>
@@ -244,31 +244,41 @@ std::vector<float> row_values(const GqaShape& s, int t, int layer, float sign) {
   return x;
 }
 
-/// What read() must return for those values: each row quantized by its definition and dequantized.
-std::vector<float> dequantized(const GqaShape& s, const std::vector<float>& x) {
+/// What read() must return for those values in a cache of format F (int8_row, q4_block or
+/// hadamard<q4_block>): each row quantized by its definition and dequantized.
+template <class F> std::vector<float> dequantized(const GqaShape& s, const std::vector<float>& x) {
+  using Tr = kvattn::format_traits<F>;
   std::vector<float> out(x.size());
-  std::vector<int8_row> q(static_cast<std::size_t>(s.head_dim));
+  std::vector<F> q(static_cast<std::size_t>(s.head_dim) / Tr::values_per_unit);
+  std::vector<kvattn::BlockScale> blocks(Tr::block_scale ? static_cast<std::size_t>(s.head_dim / 32) : 0);
   for (int h = 0; h < s.kv_heads; ++h) {
     const float* row = x.data() + std::int64_t{h} * s.head_dim;
-    const float scale = Int8::quantize_row(row, q.data(), q.size());
-    for (int c = 0; c < s.head_dim; ++c) out[static_cast<std::size_t>(h * s.head_dim + c)] = Int8::dequantize(q[static_cast<std::size_t>(c)], scale);
+    float* o = out.data() + std::int64_t{h} * s.head_dim;
+    if constexpr (Tr::block_scale) {
+      Tr::quantize_row(row, q.data(), static_cast<std::size_t>(s.head_dim), blocks.data());
+      for (int c = 0; c < s.head_dim; ++c) o[c] = Tr::dequantize(q.data(), static_cast<std::size_t>(c), blocks.data());
+    } else {
+      const float scale = Tr::quantize_row(row, q.data(), q.size());
+      for (int c = 0; c < s.head_dim; ++c) o[c] = Tr::dequantize(q[static_cast<std::size_t>(c)], scale);
+    }
+    if constexpr (Tr::rotated) kvattn::hadamard_rotate(o, s.head_dim);
   }
   return out;
 }
 
-void expect_token(const kvattn::PagedKvCache<int8_row>& cache, kvattn::SeqId seq, int layer, int t, float sign) {
+template <class F> void expect_token(const kvattn::PagedKvCache<F>& cache, kvattn::SeqId seq, int layer, int t, float sign) {
   const GqaShape& s = std::get<GqaShape>(cache.config().shape);
   std::vector<float> k(static_cast<std::size_t>(s.kv_heads) * s.head_dim), v(k.size());
   cache.read(seq, layer, t, k.data(), v.data());
-  EXPECT_EQ(k, dequantized(s, row_values(s, t, layer, sign))) << "seq " << seq << " layer " << layer << " token " << t;
-  EXPECT_EQ(v, dequantized(s, row_values(s, t, layer, -sign))) << "seq " << seq << " layer " << layer << " token " << t;
+  EXPECT_EQ(k, dequantized<F>(s, row_values(s, t, layer, sign))) << "seq " << seq << " layer " << layer << " token " << t;
+  EXPECT_EQ(v, dequantized<F>(s, row_values(s, t, layer, -sign))) << "seq " << seq << " layer " << layer << " token " << t;
 }
 
-TEST(Int8Cache, ScalesTravelWithTheirPages) {
-  const GqaShape shape = GqaShape::gqa(6, 3, 24);
+/// A cache of format F: fork, copy-on-write and truncate carry the scales with their pages.
+template <class F> void scales_travel_with_their_pages(const GqaShape& shape) {
   for (int page : {1, 7, 16}) {
     SCOPED_TRACE(page);
-    kvattn::PagedKvCache<int8_row> cache(CacheConfig{2, page, 40, shape});
+    kvattn::PagedKvCache<F> cache(CacheConfig{2, page, 40, shape});
     const auto parent = cache.add_sequence();
     const int n = 2 * page + 3;
     cache.append(parent, n);
@@ -292,11 +302,13 @@ TEST(Int8Cache, ScalesTravelWithTheirPages) {
     cache.write(child, 0, page + 1, row_values(shape, 99, 0, 3).data(), row_values(shape, 99, 0, -3).data());
     std::vector<float> k(static_cast<std::size_t>(shape.kv_heads) * shape.head_dim), v(k.size());
     cache.read(child, 0, page + 1, k.data(), v.data());
-    EXPECT_EQ(k, dequantized(shape, row_values(shape, 99, 0, 3)));
+    EXPECT_EQ(k, dequantized<F>(shape, row_values(shape, 99, 0, 3)));
     expect_token(cache, parent, 0, page + 1, 1);
     cache.check_invariants();
   }
 }
+
+TEST(Int8Cache, ScalesTravelWithTheirPages) { scales_travel_with_their_pages<int8_row>(GqaShape::gqa(6, 3, 24)); }
 
 TEST(HadamardInt8, RowsReadBackRotatedBackWithinTheQuantizationStep) {
   const GqaShape shape = GqaShape::gqa(4, 2, 64);
@@ -530,6 +542,143 @@ TEST(Fp8LayerCache, NonFiniteValuesAreRefusedAndNothingIsWritten) {
   EXPECT_NE(what.find("holds 6 tokens"), std::string::npos) << what;
 }
 
+// ---- q4_block: 4-bit codes in blocks of 32, a scale and a minimum per block ------------------
+
+using kvattn::BlockScale;
+using kvattn::q4_block;
+using Q4 = kvattn::format_traits<q4_block>;
+
+/// q4_block's definition, block by block (format.hpp), in the fp32 arithmetic it states:
+/// m = fp16(min), d = fp16((max − m) / 15), q = round-half-even((x − m) / d) clamped to [0, 15]
+/// (0 when d = 0), x beyond ±65504 saturated first; a value reads as fma(q, d, m).
+void expect_q4_matches_definition(const std::vector<float>& x, const std::vector<q4_block>& q, const std::vector<BlockScale>& s) {
+  for (std::size_t b = 0; b < x.size() / 32; ++b) {
+    float lo = 65504.0f, hi = -65504.0f, y[32];
+    for (int i = 0; i < 32; ++i) {
+      y[i] = std::min(65504.0f, std::max(-65504.0f, x[b * 32 + static_cast<std::size_t>(i)]));
+      lo = std::min(lo, y[i]);
+      hi = std::max(hi, y[i]);
+    }
+    const kvattn::fp16 m(lo), d((hi - static_cast<float>(m)) / 15.0f);
+    EXPECT_EQ(static_cast<float>(s[b].m), static_cast<float>(m)) << "block " << b;
+    EXPECT_EQ(static_cast<float>(s[b].d), static_cast<float>(d)) << "block " << b;
+    for (int i = 0; i < 32; ++i) {
+      const std::size_t c = b * 32 + static_cast<std::size_t>(i);
+      const float df = static_cast<float>(d), mf = static_cast<float>(m);
+      const float want = df > 0 ? std::min(15.0f, std::max(0.0f, std::nearbyint((y[i] - mf) / df))) : 0.0f;
+      ASSERT_EQ(Q4::code(q.data(), c), static_cast<unsigned>(want)) << "column " << c << " x=" << x[c];
+      EXPECT_EQ(Q4::dequantize(q.data(), c, s.data()), std::fma(want, df, mf)) << "column " << c;
+    }
+  }
+}
+
+TEST(Q4, QuantizeMatchesTheDefinition) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (std::size_t n : {32, 64, 128, 256}) {
+    std::vector<float> x(n);
+    for (float& v : x) v = normal(rng) * 3.0f;
+    x[5 % n] = 40.0f;  // an outlier channel
+    std::vector<q4_block> q(n / 2);
+    std::vector<BlockScale> s(n / 32);
+    Q4::quantize_row(x.data(), q.data(), n, s.data());
+    expect_q4_matches_definition(x, q, s);
+    // Every value within half a step (plus the scale's and minimum's fp16 rounding) of its input.
+    for (std::size_t c = 0; c < n; ++c) {
+      const float d = static_cast<float>(s[c / 32].d);
+      EXPECT_LE(std::fabs(Q4::dequantize(q.data(), c, s.data()) - x[c]), 0.5f * d * 1.01f + 0.01f) << c;
+    }
+  }
+  // Half-way points round to the even code; 16-bit sources quantize as their float values do.
+  std::vector<float> x(32);
+  for (int i = 0; i < 32; ++i) x[static_cast<std::size_t>(i)] = static_cast<float>(i % 16) + (i >= 16 ? 0.5f : 0.0f);
+  x[31] = 15.0f;  // range [0, 15]: d = 1, m = 0
+  std::vector<q4_block> q(16);
+  std::vector<BlockScale> s(1);
+  Q4::quantize_row(x.data(), q.data(), 32, s.data());
+  EXPECT_EQ(static_cast<float>(s[0].d), 1.0f);
+  EXPECT_EQ(static_cast<float>(s[0].m), 0.0f);
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(Q4::code(q.data(), static_cast<std::size_t>(i)), static_cast<unsigned>(i));
+  EXPECT_EQ(Q4::code(q.data(), 16), 0u);   // 0.5 -> 0
+  EXPECT_EQ(Q4::code(q.data(), 17), 2u);   // 1.5 -> 2
+  EXPECT_EQ(Q4::code(q.data(), 18), 2u);   // 2.5 -> 2
+  EXPECT_EQ(Q4::code(q.data(), 19), 4u);   // 3.5 -> 4
+  // The byte layout: the even column in the low four bits, the odd one in the high four.
+  EXPECT_EQ(q[0].bits, 0x10);  // columns 0 and 1: codes 0 and 1
+  EXPECT_EQ(q[7].bits, 0xFE);  // columns 14 and 15: codes 14 and 15
+  std::vector<kvattn::bf16> xb(x.begin(), x.end());
+  std::vector<q4_block> qb(16);
+  std::vector<BlockScale> sb(1);
+  Q4::quantize_row(xb.data(), qb.data(), 32, sb.data());
+  for (int i = 0; i < 16; ++i) EXPECT_EQ(qb[static_cast<std::size_t>(i)].bits, q[static_cast<std::size_t>(i)].bits);
+}
+
+TEST(Q4, ZerosConstantsSaturationAndNonFinite) {
+  std::vector<q4_block> q(32);
+  std::vector<BlockScale> s(2);
+  const std::vector<float> zeros(64, 0.0f);
+  Q4::quantize_row(zeros.data(), q.data(), 64, s.data());
+  for (std::size_t c = 0; c < 64; ++c) EXPECT_EQ(Q4::dequantize(q.data(), c, s.data()), 0.0f);
+  // Constant blocks: one of an fp16 number has d = 0 and reads back exactly; one of -0.3 (not an
+  // fp16 number) has m = fp16(-0.3) below it and a tiny d that brings it back closer still.
+  std::vector<float> constant(64, -0.3f);
+  for (std::size_t c = 32; c < 64; ++c) constant[c] = 7.0f;
+  Q4::quantize_row(constant.data(), q.data(), 64, s.data());
+  expect_q4_matches_definition(constant, q, s);
+  EXPECT_EQ(static_cast<float>(s[1].d), 0.0f);
+  for (std::size_t c = 0; c < 32; ++c)
+    EXPECT_LE(std::fabs(Q4::dequantize(q.data(), c, s.data()) + 0.3f), std::fabs(static_cast<float>(kvattn::fp16(-0.3f)) + 0.3f));
+  for (std::size_t c = 32; c < 64; ++c) EXPECT_EQ(Q4::dequantize(q.data(), c, s.data()), 7.0f);
+  // Beyond fp16's range: saturated to ±65504 (the largest magnitudes read back exactly there).
+  std::vector<float> big(32, 1.0f);
+  big[0] = 1e30f;
+  big[1] = -std::numeric_limits<float>::max();
+  Q4::quantize_row(big.data(), q.data(), 32, s.data());
+  expect_q4_matches_definition(big, q, s);
+  EXPECT_EQ(Q4::dequantize(q.data(), 1, s.data()), -65504.0f);
+  EXPECT_NEAR(Q4::dequantize(q.data(), 0, s.data()), 65504.0f, 65504.0f * 1e-3f);
+  // A NaN or an infinity anywhere in the row: every value of the row reads as NaN.
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(64, 0.25f);
+    x[40] = bad;
+    Q4::quantize_row(x.data(), q.data(), 64, s.data());
+    for (std::size_t c = 0; c < 64; ++c) EXPECT_TRUE(std::isnan(Q4::dequantize(q.data(), c, s.data()))) << bad << " column " << c;
+  }
+}
+
+TEST(Q4Cache, LayoutAndRejectedShapes) {
+  for (int page : {1, 7, 16})
+    for (const GqaShape& shape : {GqaShape::gqa(8, 2, 128), GqaShape::gqa(3, 3, 32), GqaShape::mqa(4, 96)}) {
+      SCOPED_TRACE(kvattn::detail::concat("page=", page, " kv_heads=", shape.kv_heads, " head_dim=", shape.head_dim));
+      kvattn::PagedKvCache<q4_block> cache(CacheConfig{2, page, 3, shape});
+      const kvattn::PageLayout& l = cache.layout();
+      EXPECT_EQ(l.row_units, shape.head_dim / 2);
+      EXPECT_EQ(l.scale_slots, shape.head_dim / 32);
+      EXPECT_EQ(l.head_stride % 64, 0);
+      EXPECT_GE(l.head_stride, std::int64_t{page} * shape.head_dim / 2);
+      EXPECT_EQ(l.scale_offset, 2 * shape.kv_heads * l.head_stride);
+      EXPECT_EQ(l.page_stride % 64, 0);
+      EXPECT_GE(l.page_stride - l.scale_offset, 2 * std::int64_t{shape.kv_heads} * page * (shape.head_dim / 32) * 4);
+      EXPECT_EQ(l.token_bytes(), 2 * std::int64_t{shape.kv_heads} * (shape.head_dim / 2 + shape.head_dim / 32 * 4));
+    }
+  const auto what_of = [](const kvattn::AttentionShape& shape) {
+    return error_of([&] { kvattn::PagedKvCache<q4_block> c(CacheConfig{1, 16, 2, shape}); });
+  };
+  for (int d : {16, 48, 80, 1056}) {
+    const std::string what = what_of(GqaShape::gqa(4, 2, d));
+    EXPECT_NE(what.find("head_dim=" + std::to_string(d) + " must be a multiple of 32 up to 1024"), std::string::npos) << what;
+  }
+  EXPECT_NE(what_of(kvattn::MlaShape{4, 64, 16, 32, 32, 0}).find("GQA-family pages"), std::string::npos);
+  const std::string what = error_of([] { kvattn::PagedKvCache<kvattn::hadamard<q4_block>> c(CacheConfig{1, 16, 2, GqaShape::gqa(4, 2, 96)}); });
+  EXPECT_NE(what.find("head_dim=96: head_dim must be a power of two"), std::string::npos) << what;
+}
+
+TEST(Q4Cache, ScalesTravelWithTheirPages) {
+  scales_travel_with_their_pages<q4_block>(GqaShape::gqa(6, 3, 64));
+  scales_travel_with_their_pages<kvattn::hadamard<q4_block>>(GqaShape::gqa(6, 3, 64));
+}
+
 // ---- quantization error of attention ----------------------------------------------------------
 
 /// Keys: standard normal with `outliers` channels per KV head scaled by 20-50 (the same channels
@@ -599,7 +748,7 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   // For comparison: ggml bounds every format's flash attention at NMSE <= 5e-4 in its own test.
   const GqaShape shape = GqaShape::gqa(32, 8, 128);
   double worst_int8 = 0, worst_rotated = 0, worst_bf16 = 0, worst_int8_q = 0, worst_rotated_q = 0, worst_rotated_qp = 0;
-  double worst_fp8 = 0, worst_fp8_rotated = 0, worst_fp8_layer = 0;
+  double worst_fp8 = 0, worst_fp8_rotated = 0, worst_fp8_layer = 0, worst_q4 = 0, worst_q4_rotated = 0;
   for (std::int64_t L : {256, 2048}) {
     const RealisticInputs in = realistic(shape, L, static_cast<unsigned>(L));
     const double bf16 = decode_nmse<kvattn::bf16>(shape, L, in), fp16 = decode_nmse<kvattn::fp16>(shape, L, in);
@@ -610,6 +759,10 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
     const double rotated_qp = decode_nmse<kvattn::hadamard<int8_row>>(shape, L, in, true, true);
     const double fp8 = decode_nmse<fp8_e4m3_row>(shape, L, in), fp8_rotated = decode_nmse<kvattn::hadamard<fp8_e4m3_row>>(shape, L, in);
     const double fp8_layer = decode_nmse<fp8_e4m3_layer>(shape, L, in);
+    const double q4 = decode_nmse<kvattn::q4_block>(shape, L, in), q4_rotated = decode_nmse<kvattn::hadamard<kvattn::q4_block>>(shape, L, in);
+    std::printf("context %lld: NMSE of decode's output: q4 %.2e, q4_hadamard %.2e\n", static_cast<long long>(L), q4, q4_rotated);
+    worst_q4 = std::max(worst_q4, q4);
+    worst_q4_rotated = std::max(worst_q4_rotated, q4_rotated);
     std::printf("context %lld: NMSE of decode's output: bf16 %.2e, fp16 %.2e, int8 %.2e, int8_hadamard %.2e, fp8 %.2e, "
                 "fp8_hadamard %.2e, fp8_layer %.2e; int8 queries: int8 %.2e, int8_hadamard %.2e; and u8 probabilities: "
                 "int8 %.2e, int8_hadamard %.2e\n",
@@ -651,6 +804,80 @@ TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
   // same relative step, but the row's largest value is no longer exact, and on these keys that
   // value is an outlier channel that dominates the scores.
   EXPECT_LT(worst_fp8_layer, 7e-2);
+  // 4 bits in blocks of 32 with a scale and a minimum (q4_block): 16 levels from the block's
+  // smallest to its largest value. On these keys neither form is usable (2.3e-1 unrotated,
+  // 7.5e-2 and 1.5e-1 rotated): a block holding an outlier channel spends its levels on it and
+  // moves the block's small values together (the grid has no zero), and rotated, every value
+  // carries a share of the outliers, so the whole row's step is large against the scores'
+  // differences. 4-bit keys need an 8-bit format for the keys (K and V in different formats).
+  EXPECT_LT(worst_q4, 0.4);
+  EXPECT_LT(worst_q4_rotated, 0.25);
+  EXPECT_LT(worst_q4_rotated, worst_q4 / 1.3);  // what the rotation buys: 3x at 256 tokens, 1.6x at 2048
+}
+
+
+/// K and V rounded through a 4-bit grid per block of 32 (`round_block` maps a block in place),
+/// attended in double by the reference: Σ (out − ref)² / Σ ref² against the unrounded inputs.
+template <class Round>
+double rounded_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in, bool keys, bool values, Round round_block) {
+  RealisticInputs r = in;
+  for (auto [on, x] : {std::pair{keys, &r.k}, std::pair{values, &r.v}})
+    if (on)
+      for (std::size_t b = 0; b < x->size(); b += 32) round_block(x->data() + b);
+  const auto attend = [&](const RealisticInputs& kv) {
+    kvattn::PagedKvCache<float> cache(CacheConfig{1, 16, (L + 15) / 16, s});
+    const auto seq = cache.add_sequence();
+    cache.append(seq, L);
+    cache.write(seq, 0, 0, L, kv.k.data(), kv.v.data());
+    std::vector<double> out, lse;
+    reference::decode(cache, seq, 0, s, in.q.data(), reference::Options{}, out, lse);
+    return out;
+  };
+  const std::vector<double> ref = attend(in), got = attend(r);
+  double err = 0, norm = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    err += (got[i] - ref[i]) * (got[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return err / norm;
+}
+
+TEST(FormatAccuracy, WhyQ4HasAnOffsetGrid) {
+  // q4_block's grid (16 levels from the block's minimum to its maximum, q4_1-like) against a
+  // symmetric one (q4_0-like: d = the block's largest-magnitude value / -8, q in [-8, 7], x ≈ q · d,
+  // d in fp16), on keys and values rounded through each and attended in double.
+  const auto offset_grid = [](float* x) {
+    q4_block q[16];
+    BlockScale sc[1];
+    Q4::quantize_row(x, q, 32, sc);
+    for (std::size_t c = 0; c < 32; ++c) x[c] = Q4::dequantize(q, c, sc);
+  };
+  const auto symmetric_grid = [](float* x) {
+    float top = 0;
+    for (int i = 0; i < 32; ++i)
+      if (std::fabs(x[i]) > std::fabs(top)) top = x[i];
+    const float d = static_cast<float>(kvattn::fp16(top / -8.0f)), inv = d != 0 ? 1.0f / d : 0.0f;
+    for (int i = 0; i < 32; ++i) x[i] = (std::min(15.0f, std::max(0.0f, std::nearbyint(x[i] * inv) + 8.0f)) - 8.0f) * d;
+  };
+  const GqaShape shape = GqaShape::gqa(32, 8, 128);
+  const std::int64_t L = 2048;
+  RealisticInputs gaussian = realistic(shape, L, 5);
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : gaussian.k) x = normal(rng);  // no outlier channels
+  const RealisticInputs outliers = realistic(shape, L, 7);
+  const double g_offset = rounded_nmse(shape, L, gaussian, true, true, offset_grid);
+  const double g_symmetric = rounded_nmse(shape, L, gaussian, true, true, symmetric_grid);
+  const double v_offset = rounded_nmse(shape, L, gaussian, false, true, offset_grid);
+  const double v_symmetric = rounded_nmse(shape, L, gaussian, false, true, symmetric_grid);
+  const double k_offset = rounded_nmse(shape, L, outliers, true, false, offset_grid);
+  const double k_symmetric = rounded_nmse(shape, L, outliers, true, false, symmetric_grid);
+  std::printf("NMSE of attention over K/V rounded to 4 bits, offset (q4_block) / symmetric grid: standard normal K and V "
+              "%.2e / %.2e, values alone %.2e / %.2e, keys with outlier channels alone %.2e / %.2e\n",
+              g_offset, g_symmetric, v_offset, v_symmetric, k_offset, k_symmetric);
+  EXPECT_LT(g_offset, g_symmetric);  // ordinary rows: the offset grid spends no level outside the block's range
+  EXPECT_LT(v_offset, v_symmetric);
+  EXPECT_GT(k_offset, k_symmetric);  // keys with outliers: the symmetric grid keeps a zero
 }
 
 }  // namespace

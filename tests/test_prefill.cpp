@@ -2,8 +2,8 @@
 // attention of the last n tokens of a sequence), and the identities it must keep: any chunking
 // equals one-shot prefill, decode after prefill equals the prefill's last row, paged equals
 // contiguous. Shapes: group sizes 1, 3, 4, 8 and groups = heads; head sizes 64, 128, 256 and odd
-// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16, bf16, int8_row and fp8_e4m3_row storage;
-// the scalar and the native path. Same element-wise bound as decode:
+// ones; page sizes 1, 7, 16; prompts of 1 token to several hundred; fp32, fp16, bf16, int8_row,
+// fp8_e4m3_row, fp8_e4m3_layer and q4_block storage; the scalar and the native path. Same element-wise bound as decode:
 // |out - ref| <= (2e-5 + 2·e_s) · max|v| + 2e-5 · |ref|, |lse - ref| <= 2e-5 · (1 + |ref|) + e_s,
 // where e_s = 2^-23 · scale · head_dim · max|q| · max|k| is the rounding of one fp32 score (it
 // matters only for the huge logits of the overflow test).
@@ -111,6 +111,10 @@ TYPED_TEST(Prefill, MatchesReferenceOverShapes) {
   check_against_reference<kvattn::hadamard<kvattn::fp8_e4m3_row>, Isa>(GqaShape::gqa(6, 2, 64), 7, {20, 1, 30});
   for (int group : {1, 3}) check_against_reference<kvattn::fp8_e4m3_layer, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
   check_against_reference<kvattn::fp8_e4m3_layer, Isa>(GqaShape::mha(3, 80), 1, {45});
+  // 4-bit blocks with a scale and a minimum each (head sizes of whole blocks of 32).
+  for (int group : {1, 3}) check_against_reference<kvattn::q4_block, Isa>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_against_reference<kvattn::q4_block, Isa>(GqaShape::mha(3, 96), 1, {45});
+  check_against_reference<kvattn::hadamard<kvattn::q4_block>, Isa>(GqaShape::gqa(4, 1, 128), 16, {40});
 }
 
 TYPED_TEST(Prefill, LongPromptAndBlocks) {

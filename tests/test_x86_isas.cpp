@@ -10,7 +10,7 @@
 // query blocks, variants; MLA decode in latent space (mla_decode) over DeepSeek-V2's head layout
 // and awkward widths, several queries, split, threaded, huge logits; RoPE in both styles, whole
 // and partial widths; fp16 and bf16 to fp32 and back. Storage fp32, fp16 and bf16 throughout,
-// and int8_row and fp8_e4m3_row for decode and prefill.
+// and int8_row, fp8_e4m3_row and (the plain policy) q4_block for decode and prefill.
 //
 // Bounds, the same as the tests of the native path:
 //  - decode and prefill, element-wise against reference.hpp (test_decode.cpp, test_prefill.cpp):
@@ -141,6 +141,9 @@ template <class Isa> void check_decode_all_storage(const DecodeCase& c, kvattn::
   check_decode<Isa, kvattn::bf16>(c, pool, which);
   check_decode<Isa, kvattn::int8_row>(c, pool, which);
   check_decode<Isa, kvattn::fp8_e4m3_row>(c, pool, which);
+  // q4_block: the plain policy's kernel (isa_kernels::kPlainOnly), head sizes of whole blocks of 32.
+  if (which == Policy::plain && policy_of(c.window, c.soft_cap) == Policy::plain && c.shape.head_dim % 32 == 0)
+    check_decode<Isa, kvattn::q4_block>(c, pool, which);
 }
 
 template <class Isa> class IsaDecode : public OnThisCpu<Isa> {};
@@ -293,6 +296,8 @@ TYPED_TEST(IsaPrefill, MatchesReferenceOverShapes) {
   check_prefill<TypeParam, kvattn::int8_row>(GqaShape::gqa(4, 2, 80), 1, {33});
   for (int group : {1, 3}) check_prefill<TypeParam, kvattn::fp8_e4m3_row>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
   check_prefill<TypeParam, kvattn::fp8_e4m3_row>(GqaShape::gqa(4, 2, 80), 1, {33});
+  for (int group : {1, 3}) check_prefill<TypeParam, kvattn::q4_block>(GqaShape::gqa(2 * group, 2, 64), 7, {20, 1, 30});
+  check_prefill<TypeParam, kvattn::q4_block>(GqaShape::mha(3, 96), 1, {33});
 }
 
 TYPED_TEST(IsaPrefill, LongPromptAndBlocks) {

@@ -10,10 +10,13 @@
 //    fill whole bytes round up once, at the level asked for (the cache as one packed stream),
 //    never per element;
 //  - a KV format of the cache (KvFormat: fp32, fp16, bf16, int8, int8_hadamard, fp8,
-//    fp8_hadamard; format.hpp),
-//    exactly: its values plus one scale per row for the 8-bit formats,
-//      MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
+//    fp8_hadamard, fp8_layer, q4, q4_hadamard; format.hpp),
+//    exactly: its values plus its scales, one per row for the 8-bit formats and one per block
+//    of 32 values of a row for the 4-bit ones (a row: head_dim values),
+//      MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes
+//                                      + head_dim / block · block_scale_bytes)
 //      MLA             (latent_dim + rope_dim) · bits / 8   (formats without scales only)
+//    (head_dim · bits / 8 is whole: a 4-bit format's head_dim is a multiple of its block),
 //    and, for the capacity plan, pages counted as PageLayout lays them out, padding included.
 //
 // Everything but parsing and the design comparison is constexpr: a configuration can be
@@ -123,77 +126,128 @@ class ElementBits {
 // ---------------------------------------------------------------------------------------------
 // KV formats: what a cache of each element type (format.hpp) holds, to the byte.
 
-template <class F> struct format_traits;  // format.hpp: name, bits, row_scale, layer_scale, rotated
+template <class F> struct format_traits;  // format.hpp: name, bits, values_per_unit, row_scale, block_scale, block, layer_scale, rotated
 
-/// A KV format as the arithmetic sees it: `bits` per value (whole bytes: 8, 16, 32 or 64),
-/// `scale_bytes` per row (a row: one token's head_dim values of one KV head; 0: no scale),
-/// whether rows are rotated (head_dim then a power of two up to kMaxRotatedDim), and whether one
-/// key and one value scale serve each layer (kept by the cache, not in its pages: no bytes). The
-/// shipped formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard and
-/// fp8_layer; KvFormat::of<F>() reads format_traits<F> (format.hpp must then be included),
-/// KvFormat::parse finds one by name.
+/// A KV format as the arithmetic sees it: `bits` per value (4, or whole bytes: 8, 16, 32 or
+/// 64), its scales, and whether rows are rotated (head_dim then a power of two up to
+/// kMaxRotatedDim). A row is one token's head_dim values of one KV head. Its scales are
+/// `scale_bytes` per row (0: none), and/or `block_scale_bytes` per block of `block` values of a
+/// row (Blocks; 0, 0: none; the cache's: a BlockScale, an fp16 scale and an fp16 minimum, 4
+/// bytes per 32 values), both kept in the page's scale block; or one key and one value scale per
+/// layer (layer_scale: kept by the cache, not in its pages: no bytes). Values narrower than a
+/// byte (4 bits: two to a byte) come in blocks of whole bytes, and a cache of such a format
+/// holds head sizes that are a multiple of its block, so a row's values fill whole bytes. The
+/// shipped formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard,
+/// fp8_layer, q4 and q4_hadamard; KvFormat::of<F>() reads format_traits<F> (format.hpp must then
+/// be included), KvFormat::parse finds one by name.
 ///
-/// A format with scales (per row or per layer), or a rotated one, holds GQA-family caches only
-/// (its scales and its rotation are per KV head): a cache of it cannot hold an MLA model (holds(),
-/// check()).
+/// A format with scales (per row, per block or per layer), or a rotated one, holds GQA-family
+/// caches only (its scales and its rotation are per KV head): a cache of it cannot hold an MLA
+/// model (holds(), check()).
 class KvFormat {
  public:
   /// The largest head_dim of a rotated format (format.hpp's kMaxRotatedDim, which it equals).
   static constexpr int kMaxRotatedDim = 1024;
+  /// Bytes of one block's scales in the cache (format.hpp's BlockScale: an fp16 scale and an
+  /// fp16 minimum, whose size it equals).
+  static constexpr int kBlockScaleBytes = 4;
+  /// The largest head_dim of a format with block scales (format.hpp's kMaxBlockScaledDim).
+  static constexpr int kMaxBlockScaledDim = 1024;
 
-  constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false, bool layer_scale = false)
-      : name_(name), bits_(bits), scale_bytes_(scale_bytes), rotated_(rotated), layer_scale_(layer_scale) {
-    if (bits != 8 && bits != 16 && bits != 32 && bits != 64)
-      raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits, ": a value must be 1, 2, 4 or 8 whole bytes"));
+  /// Scales per block of a row: `scale_bytes` for every `values` values; {0, 0}: no blocks.
+  struct Blocks {
+    int values;
+    int scale_bytes;
+  };
+
+  constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false, bool layer_scale = false,
+                     Blocks blocks = Blocks{0, 0})
+      : name_(name),
+        bits_(bits),
+        scale_bytes_(scale_bytes),
+        rotated_(rotated),
+        layer_scale_(layer_scale),
+        block_(blocks.values),
+        block_scale_bytes_(blocks.scale_bytes) {
+    if (bits != 4 && bits != 8 && bits != 16 && bits != 32 && bits != 64)
+      raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits, ": a value must be 4 bits, or 1, 2, 4 or 8 whole bytes"));
     if (scale_bytes < 0)
       raise<invalid_argument>(detail::concat("format '", name, "': scale_bytes=", scale_bytes, ": must not be negative"));
+    if (blocks.values < 0 || blocks.scale_bytes < 0 || (blocks.values == 0) != (blocks.scale_bytes == 0))
+      raise<invalid_argument>(detail::concat("format '", name, "': blocks of ", blocks.values, " values with ", blocks.scale_bytes,
+                                             " scale bytes each: both must be positive (or both 0: no blocks)"));
+    if (static_cast<long long>(blocks.values) * bits % 8 != 0)
+      raise<invalid_argument>(detail::concat("format '", name, "': blocks of ", blocks.values, " values of ", bits,
+                                             " bits: a block's values must fill whole bytes"));
+    if (bits < 8 && blocks.values == 0)
+      raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits,
+                                             ": values narrower than a byte come in blocks of whole bytes, each with its scales"));
   }
+  /// A format with scales per block of a row: KvFormat("q4", 4, Blocks{32, 4}).
+  constexpr KvFormat(std::string_view name, int bits, Blocks blocks, bool rotated = false)
+      : KvFormat(name, bits, 0, rotated, false, blocks) {}
 
-  /// The format of the cache element type F: format_traits<F>'s name, bits, scale (one fp32 per
-  /// row where row_scale), rotation and per-layer scales.
+  /// The format of the cache element type F: format_traits<F>'s name, bits, scales (one fp32 per
+  /// row where row_scale; one BlockScale, kBlockScaleBytes, per `block` values where
+  /// block_scale), rotation and per-layer scales.
   template <class F> static constexpr KvFormat of() {
     using T = format_traits<F>;
-    static_assert(sizeof(typename T::unit) * 8 == T::bits, "kvattn::KvFormat: a format's unit must be one value");
-    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated, T::layer_scale);
+    static_assert(sizeof(typename T::unit) * 8 == T::bits * T::values_per_unit,
+                  "kvattn::KvFormat: a format's unit must hold values_per_unit values");
+    static_assert(T::block_scale == (T::block > 0), "kvattn::KvFormat: a format has a block size exactly when it has block scales");
+    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated, T::layer_scale,
+                    T::block_scale ? Blocks{T::block, kBlockScaleBytes} : Blocks{0, 0});
   }
 
   /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8", "int8_hadamard", "fp8",
-  /// "fp8_hadamard" or "fp8_layer".
+  /// "fp8_hadamard", "fp8_layer", "q4" or "q4_hadamard".
   /// Throws kvattn::invalid_argument naming `name` and the valid names otherwise.
   static KvFormat parse(std::string_view name);
-  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer".
+  /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard,
+  /// fp8_layer, q4, q4_hadamard".
   static std::string names();
 
   constexpr std::string_view name() const noexcept { return name_; }
-  constexpr int bits() const noexcept { return bits_; }                ///< per value, scales excluded
-  constexpr int value_bytes() const noexcept { return bits_ / 8; }     ///< one value: a page's unit
+  constexpr int bits() const noexcept { return bits_; }  ///< per value, scales excluded
+  /// Bytes of a page's unit: one value, or for a 4-bit format one byte of two values.
+  constexpr int unit_bytes() const noexcept { return bits_ < 8 ? 1 : bits_ / 8; }
+  constexpr int values_per_unit() const noexcept { return bits_ < 8 ? 8 / bits_ : 1; }
   constexpr int scale_bytes() const noexcept { return scale_bytes_; }  ///< per row; 0: none
   constexpr bool row_scale() const noexcept { return scale_bytes_ != 0; }
+  constexpr int block() const noexcept { return block_; }  ///< values per block scale; 0: none
+  constexpr int block_scale_bytes() const noexcept { return block_scale_bytes_; }  ///< per block; 0: none
+  constexpr bool block_scale() const noexcept { return block_ != 0; }
   constexpr bool rotated() const noexcept { return rotated_; }
   constexpr bool layer_scale() const noexcept { return layer_scale_; }  ///< one key and one value scale per layer
 
   /// Whether a cache of this format can hold a layer of `shape`: a GQA-family shape (of a
-  /// power-of-two head_dim up to kMaxRotatedDim when rotated), or an MLA shape when the format
-  /// has neither scales (per row or per layer) nor rotation.
+  /// head_dim that is a multiple of the block, up to kMaxBlockScaledDim, with block scales, and a power of two up to
+  /// kMaxRotatedDim when rotated), or an MLA shape when the format has neither scales (per row,
+  /// per block or per layer) nor rotation.
   constexpr bool holds(const AttentionShape& shape) const noexcept {
     // holds_alternative and get, not get_if: GCC's constant evaluation under -fsanitize rejects
     // get_if's null test of the address of a static object.
     if (std::holds_alternative<GqaShape>(shape)) {
       const int d = std::get<GqaShape>(shape).head_dim;
-      return !rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0);
+      return (!block_scale() || (d % block_ == 0 && d <= kMaxBlockScaledDim)) && (!rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0));
     }
-    return !row_scale() && !layer_scale_ && !rotated_;
+    return !row_scale() && !block_scale() && !layer_scale_ && !rotated_;
   }
   /// Why a cache of this format cannot hold `model`, naming both; "" when it can.
   std::string check(const Model& model) const {
     if (holds(model.attention)) return {};
     if (model.is_mla())
       return detail::concat("the ", name_, " format (",
-                            row_scale()    ? "a scale per row of a KV head"
-                            : layer_scale_ ? "a key and a value scale per layer"
-                                           : "rotated rows of a KV head",
+                            row_scale()     ? std::string("a scale per row of a KV head")
+                            : block_scale() ? detail::concat("a scale per block of ", block_, " values of a row of a KV head")
+                            : layer_scale_  ? std::string("a key and a value scale per layer")
+                                            : std::string("rotated rows of a KV head"),
                             ") holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
-    return detail::concat("the ", name_, " format rotates rows of head_dim=", model.gqa().head_dim, " (model '", model.name,
+    const int d = model.gqa().head_dim;
+    if (block_scale() && (d % block_ != 0 || d > kMaxBlockScaledDim))
+      return detail::concat("the ", name_, " format quantizes blocks of ", block_, " values: head_dim=", d, " of model '",
+                            model.name, "' is not a multiple of ", block_, " up to ", kMaxBlockScaledDim);
+    return detail::concat("the ", name_, " format rotates rows of head_dim=", d, " (model '", model.name,
                           "'): head_dim must be a power of two up to ", kMaxRotatedDim);
   }
   /// Throws kvattn::invalid_argument with check()'s message when the format cannot hold `model`.
@@ -203,42 +257,51 @@ class KvFormat {
 
   /// Bytes one token holds in one layer of `shape`: its values and its rows' scales, no padding
   /// (PageLayout::token_bytes). `shape` must be one the format holds.
-  ///   MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes)
+  ///   MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes + head_dim / block · block_scale_bytes)
   ///   MLA             (latent_dim + rope_dim) · bits / 8
   constexpr std::uint64_t bytes_per_token_layer(const AttentionShape& shape) const {
     if (std::holds_alternative<GqaShape>(shape)) {
       const GqaShape& g = std::get<GqaShape>(shape);
       return detail::checked_mul(2 * static_cast<std::uint64_t>(g.kv_heads),
-                                 detail::checked_add(detail::checked_mul(static_cast<std::uint64_t>(g.head_dim), unit()),
-                                                     static_cast<std::uint64_t>(scale_bytes_)));
+                                 detail::checked_add(row_value_bytes(g.head_dim), row_scale_bytes(g.head_dim)));
     }
-    return detail::checked_mul(elements_per_layer(std::get<MlaShape>(shape)), unit());
+    return bits_bytes(elements_per_layer(std::get<MlaShape>(shape)));
   }
   /// Bytes of one page of `page_size` tokens of one layer of `shape`, as PageLayout lays it out,
-  /// padding included: a GQA page is 2 · kv_heads head blocks of page_size · head_dim values,
-  /// each rounded up to a whole cache line (kAlignment, 64 bytes), then, with scales, a scale
-  /// block of 2 · kv_heads · page_size scales rounded up the same way; an MLA page is
+  /// padding included: a GQA page is 2 · kv_heads head blocks of page_size rows of
+  /// head_dim · bits / 8 bytes, each rounded up to a whole cache line (kAlignment, 64 bytes),
+  /// then, with scales, a scale block of 2 · kv_heads · page_size rows' scales (scale_bytes +
+  /// head_dim / block · block_scale_bytes each) rounded up the same way; an MLA page is
   /// page_size rows of latent_dim + rope_dim values, rounded up once.
   constexpr std::uint64_t page_bytes(const AttentionShape& shape, int page_size) const {
     const auto tokens = static_cast<std::uint64_t>(page_size);
     if (std::holds_alternative<GqaShape>(shape)) {
       const GqaShape& g = std::get<GqaShape>(shape);
       const std::uint64_t blocks = 2 * static_cast<std::uint64_t>(g.kv_heads);
-      const std::uint64_t head_block = whole_lines(detail::checked_mul(detail::checked_mul(tokens, static_cast<std::uint64_t>(g.head_dim)), unit()));
-      const std::uint64_t scales = whole_lines(detail::checked_mul(detail::checked_mul(blocks, tokens), static_cast<std::uint64_t>(scale_bytes_)));
+      const std::uint64_t head_block = whole_lines(detail::checked_mul(tokens, row_value_bytes(g.head_dim)));
+      const std::uint64_t scales = whole_lines(detail::checked_mul(detail::checked_mul(blocks, tokens), row_scale_bytes(g.head_dim)));
       return detail::checked_add(detail::checked_mul(blocks, head_block), scales);
     }
-    return whole_lines(detail::checked_mul(detail::checked_mul(tokens, elements_per_layer(std::get<MlaShape>(shape))), unit()));
+    return whole_lines(bits_bytes(detail::checked_mul(tokens, elements_per_layer(std::get<MlaShape>(shape)))));
   }
 
   friend constexpr bool operator==(const KvFormat& a, const KvFormat& b) noexcept {
     return a.name_ == b.name_ && a.bits_ == b.bits_ && a.scale_bytes_ == b.scale_bytes_ && a.rotated_ == b.rotated_ &&
-           a.layer_scale_ == b.layer_scale_;
+           a.layer_scale_ == b.layer_scale_ && a.block_ == b.block_ && a.block_scale_bytes_ == b.block_scale_bytes_;
   }
   friend constexpr bool operator!=(const KvFormat& a, const KvFormat& b) noexcept { return !(a == b); }
 
  private:
-  constexpr std::uint64_t unit() const noexcept { return static_cast<std::uint64_t>(value_bytes()); }
+  /// Bytes of `values` values: values · bits / 8 (whole for the shapes the format holds).
+  constexpr std::uint64_t bits_bytes(std::uint64_t values) const {
+    return detail::checked_mul(values, static_cast<std::uint64_t>(bits_)) / 8;
+  }
+  /// Bytes of one row's values and of its scales (per row and per block), for a head_dim held.
+  constexpr std::uint64_t row_value_bytes(int head_dim) const { return bits_bytes(static_cast<std::uint64_t>(head_dim)); }
+  constexpr std::uint64_t row_scale_bytes(int head_dim) const {
+    const std::uint64_t blocks = block_ == 0 ? 0 : static_cast<std::uint64_t>(head_dim / block_);
+    return static_cast<std::uint64_t>(scale_bytes_) + blocks * static_cast<std::uint64_t>(block_scale_bytes_);
+  }
   static constexpr std::uint64_t elements_per_layer(const MlaShape& m) noexcept {
     return static_cast<std::uint64_t>(m.latent_dim) + static_cast<std::uint64_t>(m.rope_dim);
   }
@@ -251,6 +314,8 @@ class KvFormat {
   int scale_bytes_;
   bool rotated_;
   bool layer_scale_;
+  int block_;
+  int block_scale_bytes_;
 };
 
 /// The shipped formats (format.hpp), as KvFormat::of<F>() gives them.
@@ -263,7 +328,10 @@ inline constexpr KvFormat int8_hadamard{"int8_hadamard", 8, 4, true};  ///< hada
 inline constexpr KvFormat fp8{"fp8", 8, 4};                     ///< fp8_e4m3_row: one fp32 scale per row
 inline constexpr KvFormat fp8_hadamard{"fp8_hadamard", 8, 4, true};  ///< hadamard<fp8_e4m3_row>
 inline constexpr KvFormat fp8_layer{"fp8_layer", 8, 0, false, true};  ///< fp8_e4m3_layer: the scales are the layer's
-inline constexpr std::array<KvFormat, 8> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer};
+/// q4_block: 4-bit values, an fp16 scale and minimum (4 bytes) per block of 32 values of a row.
+inline constexpr KvFormat q4{"q4", 4, KvFormat::Blocks{32, KvFormat::kBlockScaleBytes}};
+inline constexpr KvFormat q4_hadamard{"q4_hadamard", 4, KvFormat::Blocks{32, KvFormat::kBlockScaleBytes}, true};  ///< hadamard<q4_block>
+inline constexpr std::array<KvFormat, 10> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard};
 }  // namespace kv_formats
 
 inline std::string KvFormat::names() {

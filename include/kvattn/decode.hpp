@@ -80,12 +80,41 @@ template <class T> KVATTN_ALWAYS_INLINE void prefetch_columns(const T* row, int 
   for (std::uintptr_t a = first; a <= last; a += 64) KVATTN_PREFETCH_L2(reinterpret_cast<const char*>(a));
 }
 
+/// Block-scaled formats (format.hpp's block_scale): a tile's blocks' scales and minimums as
+/// floats, [kDecodeTile][blocks][2 (d, m)], for its keys and for its values.
+inline constexpr int kMaxBlockScales = kMaxBlockScaledDim / 32;
+struct TileBlockScales {
+  alignas(64) float k[kDecodeTile * 2 * kMaxBlockScales];
+  alignas(64) float v[kDecodeTile * 2 * kMaxBlockScales];
+};
+
+/// The pair of vectors of columns [c, c + 2W) of a row (pair order): load_pair; for a format
+/// with block scales, the codes times the block's scale plus its minimum (dm: the row's
+/// [blocks][2] scales and minimums as floats).
+template <class Isa, class T>
+KVATTN_ALWAYS_INLINE void load_columns(const T* row, int c, const float* dm, simd::Vec<Isa>& a, simd::Vec<Isa>& b) noexcept {
+  using Vec = simd::Vec<Isa>;
+  using Tr = format_traits<T>;
+  if constexpr (Tr::block_scale) {
+    Vec::load_pair(row + c / Tr::values_per_unit, a, b);
+    const float* s = dm + 2 * (c / Tr::block);
+    const Vec d = Vec::set1(s[0]), m = Vec::set1(s[1]);
+    a = fma(a, d, m);
+    b = fma(b, d, m);
+  } else {
+    Vec::load_pair(row + c, a, b);
+  }
+}
+
 /// o[r][c0, c0 + CP · 2W) = alpha[r] · o[r] + Σ_t p[r][t] v_t over the same columns (pair order),
-/// prefetching those columns of ahead[t]'s value row (no prefetch when ahead is null).
+/// prefetching those columns of ahead[t]'s value row (no prefetch when ahead is null). vdm:
+/// block-scaled formats' value scales ([kDecodeTile][blocks][2], `blocks` per token).
 template <class Isa, int NR, int CP, class T>
 KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key, int n,
-                                   int c0, const float (*p)[kDecodeTile], const float* alpha, float* const* o) noexcept {
+                                   int c0, const float (*p)[kDecodeTile], const float* alpha, float* const* o,
+                                   const float* vdm, int blocks) noexcept {
   using Vec = simd::Vec<Isa>;
+  constexpr int U = format_traits<T>::values_per_unit;
   constexpr int W = Vec::lanes, V2 = 2 * CP;  // vectors per row
   Vec acc[NR][V2];
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
@@ -93,9 +122,11 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, const T* const* ahead, 
     KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = Vec::load(o[r] + c0 + j * W) * al;
   }
   for (int t = 0; t < n; ++t) {
-    if (ahead) prefetch_columns(ahead[t] + value_minus_key, c0, c0 + V2 * W);
+    if (ahead) prefetch_columns(ahead[t] + value_minus_key, c0 / U, (c0 + V2 * W) / U);
     Vec v[V2];
-    KVATTN_UNROLL for (int j = 0; j < CP; ++j) Vec::load_pair(keys[t] + value_minus_key + c0 + 2 * j * W, v[2 * j], v[2 * j + 1]);
+    const float* dm = vdm + std::int64_t{t} * 2 * blocks;
+    KVATTN_UNROLL for (int j = 0; j < CP; ++j)
+      load_columns<Isa>(keys[t] + value_minus_key, c0 + 2 * j * W, dm, v[2 * j], v[2 * j + 1]);
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
       const Vec pr = Vec::set1(p[r][t]);
       KVATTN_UNROLL for (int j = 0; j < V2; ++j) acc[r][j] = fma(pr, v[j], acc[r][j]);
@@ -108,12 +139,12 @@ KVATTN_ALWAYS_INLINE void pv_pairs(const T* const* keys, const T* const* ahead, 
 /// One pair of vectors of columns c · 2W of a key against NR query rows (pair order): the key's
 /// even columns into acc[r], its odd ones into acc2[r].
 template <class Isa, int NR, class T>
-KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* const* qr, int c, simd::Vec<Isa>* acc,
+KVATTN_ALWAYS_INLINE void score_pair(const T* key, const float* dm, const float* const* qr, int c, simd::Vec<Isa>* acc,
                                      simd::Vec<Isa>* acc2) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
   Vec ka, kb;
-  Vec::load_pair(key + c * W2, ka, kb);
+  load_columns<Isa>(key, c * W2, dm, ka, kb);
   KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
     acc[r] = fma(Vec::load(qr[r] + c * W2), ka, acc[r]);
     acc2[r] = fma(Vec::load(qr[r] + c * W2 + W), kb, acc2[r]);
@@ -185,7 +216,9 @@ KVATTN_ALWAYS_INLINE void int8_scores(const T* const* keys, const T* const* ahea
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
 /// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
 /// Formats with a scale per row (format.hpp): ks[t], vs[t] are token t's key and value scales
-/// ([kDecodeTile], 0 past n); other formats ignore them. Int8Q (DecodeParams::int8_queries):
+/// ([kDecodeTile], 0 past n); other formats ignore them. Formats with a scale and a minimum per
+/// block of a row: bs holds the tile's, as floats, and a row's values are the codes times the
+/// scale plus the minimum as they are loaded (load_columns); others pass null. Int8Q (DecodeParams::int8_queries):
 /// qr[r] holds row r's int8 query values (int8_t where simd::I8Dot scores them, else as floats),
 /// q_scale[r] its scale and q_offset[r] what the integer sums carry besides k · q.
 ///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
@@ -199,8 +232,14 @@ template <class Isa, int HeadDim, int NR, bool Int8Q, class P, class T, class QT
 KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
                                       int n, std::int64_t t0, int dim, const QT* const* qr, const QueryRow* rows,
                                       float* const* o, float scale, const P& policy, const float* ks,
-                                      const float* vs, const float* q_scale, const float* q_offset, bool u8p) noexcept {
+                                      const float* vs, const TileBlockScales* bs, const float* q_scale, const float* q_offset,
+                                      bool u8p) noexcept {
   constexpr bool kRowScale = format_traits<T>::row_scale;
+  constexpr bool kBlockScale = format_traits<T>::block_scale;
+  constexpr int U = format_traits<T>::values_per_unit;
+  const int blocks = kBlockScale ? dim / format_traits<T>::block : 0;  // block scales per row
+  const float* kdm = kBlockScale ? bs->k : nullptr;
+  const float* vdm = kBlockScale ? bs->v : nullptr;
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
   static_assert(kDecodeTile % W == 0, "a tile is whole vectors of tokens");
@@ -213,25 +252,29 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
     int8_scores<Isa, HeadDim, NR>(keys, ahead, n, dim, qr, red);
   } else {
     for (int t = 0; t < n; ++t) {
-      if (ahead) prefetch_columns(ahead[t], 0, dim);
+      if (ahead) prefetch_columns(ahead[t], 0, dim / U);
       const T* key = keys[t];
+      const float* dm = kBlockScale ? kdm + std::int64_t{t} * 2 * blocks : nullptr;
       Vec acc[NR], acc2[NR];  // two chains per row: half the dependent adds
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc2[r] = Vec::zero();
       // Unrolled for the head sizes known at compile time. The general size's count is known only
       // at run time: clang cannot honour an unroll pragma there and warns (-Wpass-failed).
       if constexpr (HeadDim > 0) {
-        KVATTN_UNROLL for (int c = 0; c < HeadDim / W2; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+        KVATTN_UNROLL for (int c = 0; c < HeadDim / W2; ++c) score_pair<Isa, NR>(key, dm, qr, c, acc, acc2);
       } else {
-        for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, qr, c, acc, acc2);
+        for (int c = 0; c < pairs; ++c) score_pair<Isa, NR>(key, dm, qr, c, acc, acc2);
       }
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = acc[r] + acc2[r];
-      for (int c = 0; c < singles; ++c) {
-        const Vec k = Vec::load(key + rest + c * W);
-        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
-      }
-      if (tail) {
-        const Vec k = Vec::load_partial(key + dim - tail, tail);
-        KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + dim - tail, tail), k, acc[r]);
+      // (A block-scaled format's head_dim is whole blocks, whole pairs of vectors: no columns left.)
+      if constexpr (!kBlockScale) {
+        for (int c = 0; c < singles; ++c) {
+          const Vec k = Vec::load(key + rest + c * W);
+          KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load(qr[r] + rest + c * W), k, acc[r]);
+        }
+        if (tail) {
+          const Vec k = Vec::load_partial(key + dim - tail, tail);
+          KVATTN_UNROLL for (int r = 0; r < NR; ++r) acc[r] = fma(Vec::load_partial(qr[r] + dim - tail, tail), k, acc[r]);
+        }
       }
       KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = acc[r];
     }
@@ -308,24 +351,26 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
   int c = 0;
-  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
-  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o);
-  for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
-    const int width = std::min(W, dim - c);
-    Vec a[NR];
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r)
-      a[r] = (width == W ? Vec::load(o[r] + c) : Vec::load_partial(o[r] + c, width)) * Vec::set1(alpha[r]);
-    for (int t = 0; t < n; ++t) {
-      if (ahead && c == rest) prefetch_columns(ahead[t] + value_minus_key, rest, dim);
-      const T* value = keys[t] + value_minus_key + c;
-      const Vec v = width == W ? Vec::load(value) : Vec::load_partial(value, width);
-      KVATTN_UNROLL for (int r = 0; r < NR; ++r) a[r] = fma(Vec::set1(s[r][t]), v, a[r]);
-    }
-    KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
-      if (width == W)
-        a[r].store(o[r] + c);
-      else
-        a[r].store_partial(o[r] + c, width);
+  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
+  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
+  if constexpr (!kBlockScale) {  // the columns after the pairs (none where head_dim is whole blocks)
+    for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
+      const int width = std::min(W, dim - c);
+      Vec a[NR];
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r)
+        a[r] = (width == W ? Vec::load(o[r] + c) : Vec::load_partial(o[r] + c, width)) * Vec::set1(alpha[r]);
+      for (int t = 0; t < n; ++t) {
+        if (ahead && c == rest) prefetch_columns(ahead[t] + value_minus_key, rest, dim);
+        const T* value = keys[t] + value_minus_key + c;
+        const Vec v = width == W ? Vec::load(value) : Vec::load_partial(value, width);
+        KVATTN_UNROLL for (int r = 0; r < NR; ++r) a[r] = fma(Vec::set1(s[r][t]), v, a[r]);
+      }
+      KVATTN_UNROLL for (int r = 0; r < NR; ++r) {
+        if (width == W)
+          a[r].store(o[r] + c);
+        else
+          a[r].store_partial(o[r] + c, width);
+      }
     }
   }
 }
@@ -333,13 +378,15 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
 /// Up to kDecodeSpan consecutive tokens of one sequence: where each token's row starts in its
 /// page (add PageLayout::key(h, 0) or value(h, 0) for KV head h). A span never crosses a page
 /// boundary when pages hold kDecodeTile tokens or more, so it is one run of each head block.
-/// Formats with a scale per row: scale[i] is token i's key scale for KV head 0 in its page's
-/// scale block (add PageLayout::key_scale(h, 0) or value_scale(h, 0) for KV head h).
+/// Formats with scales in the page (per row or per block): scale[i] is token i's first key scale
+/// slot for KV head 0 in its page's scale block (add PageLayout::key_scale(h, 0) or
+/// value_scale(h, 0) for KV head h).
+template <class T> inline constexpr bool kPageScales = format_traits<T>::row_scale || format_traits<T>::block_scale;
 template <class T> struct Span {
   std::int64_t t0 = 0;  ///< position of the first token
   int n = 0;            ///< tokens, 0: none
   const T* token[kDecodeSpan];
-  const float* scale[format_traits<T>::row_scale ? kDecodeSpan : 1];
+  const float* scale[kPageScales<T> ? kDecodeSpan : 1];
 };
 
 /// Walks a sequence's page table from a position on, without a division per token.
@@ -356,14 +403,15 @@ template <class T> struct SpanWalker {
 
   /// The next span (n = 0 past the end).
   void next(Span<T>& s) noexcept {
-    const int P = kv->layout.page_size, dim = kv->layout.head_dim;
+    const int P = kv->layout.page_size, row = kv->layout.row_units, slots = kv->layout.scale_slots;
     const std::int64_t room = P >= kDecodeTile ? std::min(kDecodeSpan, P - slot) : kDecodeTile;
     s.t0 = t;
     s.n = static_cast<int>(std::min(room, end - t));
     for (int i = 0; i < s.n; ++i) {
       const T* p = kv->page(pages[page]);
-      s.token[i] = p + std::int64_t{slot} * dim;
-      if constexpr (format_traits<T>::row_scale) s.scale[i] = reinterpret_cast<const float*>(p + kv->layout.scale_offset) + slot;
+      s.token[i] = p + std::int64_t{slot} * row;
+      if constexpr (kPageScales<T>)
+        s.scale[i] = reinterpret_cast<const float*>(p + kv->layout.scale_offset) + std::int64_t{slot} * slots;
       if (++slot == P) {
         slot = 0;
         ++page;
@@ -445,7 +493,12 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
   constexpr bool kRowScale = format_traits<T>::row_scale;
+  constexpr bool kBlockScale = format_traits<T>::block_scale;
   alignas(64) float ks[kDecodeTile] = {}, vs[kDecodeTile] = {};  // the tile's scales (row-scale formats), 0 past n
+  // Block-scaled formats: the tile's scales and minimums, converted to floats once per tile.
+  struct NoBlockScales {};
+  std::conditional_t<kBlockScale, TileBlockScales, NoBlockScales> tile_scales;
+  const int blocks = kBlockScale ? dim / std::max(1, format_traits<T>::block) : 0;
   const QueryValue* qr[kRowBlock];
   float q_scale[kRowBlock] = {}, q_offset[kRowBlock] = {};  // int8 queries: each row's scale and offset
   QueryRow qrow[kRowBlock];
@@ -480,16 +533,26 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
           }
           for (int t = n; t < kDecodeTile; ++t) ks[t] = vs[t] = 0.0f;
         }
+        if constexpr (kBlockScale) {
+          const std::int64_t k_at = kv.layout.key_scale(h, 0), v_at = kv.layout.value_scale(h, 0);
+          for (int t = 0; t < n; ++t) {
+            const float* slots = cur->scale[i0 + t];
+            convert_row(Isa{}, reinterpret_cast<const fp16*>(slots + k_at), tile_scales.k + t * 2 * blocks, std::size_t(2 * blocks));
+            convert_row(Isa{}, reinterpret_cast<const fp16*>(slots + v_at), tile_scales.v + t * 2 * blocks, std::size_t(2 * blocks));
+          }
+        }
         // Tokens past the end of the later span prefetch their own rows again: no test per token.
         const int n_ahead = std::max(0, std::min(n, sp->n - i0));
         for (int t = 0; t < n; ++t) ahead[t] = t < n_ahead ? sp->token[i0 + t] + ahead_offset : keys[t];
-        if constexpr (kRowScale) {  // and that unit's scales, which live in their own lines (the page's scale block)
+        if constexpr (kPageScales<T>) {  // and that unit's scales, which live in their own lines (the page's scale block)
           const std::int64_t k_at = kv.layout.key_scale(hp, 0), v_at = kv.layout.value_scale(hp, 0);
           for (int t = 0; t < n_ahead; ++t) {
             KVATTN_PREFETCH_L2(sp->scale[i0 + t] + k_at);
             KVATTN_PREFETCH_L2(sp->scale[i0 + t] + v_at);
           }
         }
+        const TileBlockScales* block_scales = nullptr;
+        if constexpr (kBlockScale) block_scales = &tile_scales;
         // Only the first block of rows prefetches: the later unit's rows are fetched once per tile.
         for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
           const int nr = std::min(kRowBlock, rows - r0);
@@ -512,7 +575,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
 #define KVATTN_DECODE_TILE_CASE(NR) \
   case NR:                          \
     if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, HeadDim, NR, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, q_scale, q_offset, u8_probabilities); \
+      decode_tile<Isa, HeadDim, NR, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, block_scales, q_scale, q_offset, u8_probabilities); \
     break;
             KVATTN_DECODE_TILE_CASE(1)
             KVATTN_DECODE_TILE_CASE(2)
@@ -521,7 +584,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
             KVATTN_DECODE_TILE_CASE(5)
             KVATTN_DECODE_TILE_CASE(6)
             KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, HeadDim, kRowBlock, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, q_scale, q_offset, u8_probabilities); break;
+            default: decode_tile<Isa, HeadDim, kRowBlock, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, block_scales, q_scale, q_offset, u8_probabilities); break;
 #undef KVATTN_DECODE_TILE_CASE
           }
         }

@@ -5,13 +5,18 @@
 //   unit        the type a page is an array of (one element of fp32 / fp16 / bf16; one byte
 //               of the 8-bit formats): every offset of PageLayout counts units;
 //   bits        bits per value, scales excluded;
+//   values_per_unit  values one unit holds (2 for the 4-bit format, 1 for the others): a row
+//               is head_dim / values_per_unit units (PageLayout::row_units);
 //   row_scale   true when every row carries one fp32 scale, kept in the page's scale block
 //               (PageLayout::scale_offset), not beside the row: each head's run of values stays
 //               contiguous and starts on a cache line;
+//   block_scale true when every block of `block` values of a row carries its own scale and
+//               minimum (BlockScale, 4 bytes), kept in the page's scale block as a row scale is;
 //   layer_scale true when one key scale and one value scale serve a whole layer (the cache holds
 //               them: PagedKvCache's KvScales); the page then holds values only;
 //   quantize_row(src, dst, n) -> scale (row_scale), quantize_row(src, dst, n, scale)
-//               (layer_scale), and dequantize(x, scale): the way in and the way out.
+//               (layer_scale), quantize_row(src, dst, n, scales) (block_scale), and
+//               dequantize: the way in and the way out.
 //
 // Formats:
 //   fp32, fp16, bf16   plain elements (storage.hpp), no scale: a value is its element.
@@ -42,7 +47,25 @@
 //                      throws kvattn::invalid_argument naming the row, and writes nothing).
 //                      The kernels fold the scales out of the loop: the key scale (times 2^8)
 //                      into the softmax scale, the value scale (times 2^8) into the output.
-//   hadamard<F>        F (int8_row or fp8_e4m3_row) of the row rotated by the orthonormal Walsh–Hadamard transform
+//   q4_block           4-bit unsigned codes in blocks of 32 values, each block with an fp16 scale d
+//                      and an fp16 minimum m (BlockScale), 5 bits per value:
+//                        m = fp16(min_i x_i),  d = fp16((max_i x_i - m) / 15),
+//                        q_i = round((x_i - m) / d) clamped to [0, 15]  (0 when d = 0),
+//                        x_i ≈ q_i · d + m   (computed as one fused multiply-add),
+//                      over the block's 32 values (round: to nearest, ties to even; fp16(): to
+//                      nearest even). A byte holds two values of a row: the even column in its low
+//                      four bits, the odd one in its high four. Values beyond fp16's range
+//                      (±65504) saturate to it. A constant block of an fp16 number has d = 0 and
+//                      reads back exactly (of another number, within fp16's rounding of it). A row
+//                      holding a NaN or an infinity stores d = m = NaN in every block and q = 0:
+//                      every value of it reads as NaN. head_dim must be a multiple of 32, up to
+//                      kMaxBlockScaledDim (1024).
+//                      Why an offset grid (q4_1-like) and not a symmetric one (q4_0-like, q · d,
+//                      q in [-8, 7]): on Gaussian rows its attention error is lower (values
+//                      alone and keys and values alike, README); on keys with outlier channels it
+//                      is worse (its grid has no zero: the small values of a block holding an
+//                      outlier all move together), and hadamard<q4_block> spreads the outliers.
+//   hadamard<F>        F (int8_row, fp8_e4m3_row or q4_block) of the row rotated by the orthonormal Walsh–Hadamard transform
 //                      H (H = Hᵀ = H⁻¹, head_dim a power of two, up to kMaxRotatedDim): keys and
 //                      values are stored as Q(H·x); decode and prefill rotate the query by the
 //                      same H, so scores are unchanged in exact arithmetic ((Hq)·(Hk) = q·k), and
@@ -89,6 +112,20 @@ static_assert(sizeof(fp8_e4m3_row) == 1, "kvattn: fp8_e4m3_row must be one byte"
 struct fp8_e4m3_layer : fp8_e4m3_row {};
 static_assert(sizeof(fp8_e4m3_layer) == 1, "kvattn: fp8_e4m3_layer must be one byte");
 
+/// 4-bit values in blocks of 32 with an fp16 scale and minimum (see the top of this file): one
+/// byte of a row, two values (the even column in the low four bits, the odd one in the high
+/// four); the blocks' scales are in the page's scale block.
+struct q4_block {
+  std::uint8_t bits = 0;
+};
+static_assert(sizeof(q4_block) == 1, "kvattn: q4_block must be one byte");
+
+/// One block's scale and minimum (q4_block): a value is q · d + m.
+struct BlockScale {
+  fp16 d, m;
+};
+static_assert(sizeof(BlockScale) == 4, "kvattn: BlockScale must be 4 bytes");
+
 /// The e4m3 code nearest |x| (ties to the even code), for 0 <= |x|; codes past 0x7E (448)
 /// saturate to it, and NaN gives 0x7E too (callers never pass one). Sign: bit 7, from x's.
 inline std::uint8_t fp8_e4m3_encode(float x) noexcept {
@@ -130,6 +167,8 @@ template <class F> struct hadamard : F {};
 
 /// The largest head size of a rotated format.
 inline constexpr int kMaxRotatedDim = 1024;
+/// The largest head size of a format with block scales (q4_block).
+inline constexpr int kMaxBlockScaledDim = 1024;
 
 /// x [n] <- H x / sqrt(n): the orthonormal Walsh–Hadamard transform, its own inverse; n a power
 /// of two. In place, n · log2(n) additions and n multiplications.
@@ -155,6 +194,8 @@ template <class T> struct plain_format_traits {
   static constexpr bool row_scale = false;
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
+  static constexpr bool block_scale = false;
+  static constexpr int values_per_unit = 1, block = 0;
 };
 template <> struct format_traits<fp32> : plain_format_traits<fp32> {};
 template <> struct format_traits<fp16> : plain_format_traits<fp16> {};
@@ -189,6 +230,8 @@ template <> struct format_traits<int8_row> {
   static constexpr bool row_scale = true;
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
+  static constexpr bool block_scale = false;
+  static constexpr int values_per_unit = 1, block = 0;
   static constexpr float kMax = 127.0f;
 
   /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale (0 for a row of zeros, NaN
@@ -209,6 +252,8 @@ template <> struct format_traits<fp8_e4m3_row> {
   static constexpr bool row_scale = true;
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
+  static constexpr bool block_scale = false;
+  static constexpr int values_per_unit = 1, block = 0;
   static constexpr float kMax = 448.0f;
 
   /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale times 2^8 (0 for a row of
@@ -227,6 +272,8 @@ template <> struct format_traits<fp8_e4m3_layer> {
   static constexpr bool row_scale = false;
   static constexpr bool layer_scale = true;
   static constexpr bool rotated = false;
+  static constexpr bool block_scale = false;
+  static constexpr int values_per_unit = 1, block = 0;
 
   /// Whether src [n] can be stored: every value finite (a byte cannot carry NaN or ±infinity to
   /// the kernels). Returns the index of the first value that is not, or n.
@@ -250,31 +297,91 @@ template <> struct format_traits<fp8_e4m3_layer> {
   static bool valid_scale(float scale) noexcept { return scale >= kMinScale && scale <= kMaxScale; }
 };
 
+template <> struct format_traits<q4_block> {
+  using unit = q4_block;
+  static constexpr std::string_view name = "q4";
+  static constexpr std::string_view rotated_name = "q4_hadamard";
+  static constexpr int bits = 4;
+  static constexpr bool row_scale = false;
+  static constexpr bool layer_scale = false;
+  static constexpr bool rotated = false;
+  static constexpr bool block_scale = true;
+  static constexpr int values_per_unit = 2, block = 32;
+  static constexpr float kLevels = 15.0f, kFp16Max = 65504.0f;
+
+  /// src [n] (fp32, fp16 or bf16; n a multiple of 32) -> dst [n / 2] and scales [n / 32].
+  template <class Src> static void quantize_row(const Src* src, q4_block* dst, std::size_t n, BlockScale* scales) noexcept {
+    bool finite = true;
+    for (std::size_t i = 0; i < n; ++i) finite = finite && std::isfinite(to_float(src[i]));
+    if (!finite) {
+      const fp16 nan(std::numeric_limits<float>::quiet_NaN());
+      for (std::size_t i = 0; i < n / 2; ++i) dst[i] = q4_block{};
+      for (std::size_t b = 0; b < n / block; ++b) scales[b] = BlockScale{nan, nan};
+      return;
+    }
+    for (std::size_t b0 = 0; b0 < n; b0 += block) {
+      float x[block];
+      float lo = kFp16Max, hi = -kFp16Max;
+      for (int i = 0; i < block; ++i) {
+        x[i] = std::min(kFp16Max, std::max(-kFp16Max, to_float(src[b0 + static_cast<std::size_t>(i)])));
+        lo = std::min(lo, x[i]);
+        hi = std::max(hi, x[i]);
+      }
+      const fp16 m(lo), d((hi - static_cast<float>(m)) / kLevels);
+      const float mf = static_cast<float>(m), df = static_cast<float>(d);
+      scales[b0 / block] = BlockScale{d, m};
+      for (int i = 0; i < block; i += 2) {
+        const auto code = [&](float v) {
+          return df > 0.0f ? static_cast<unsigned>(std::min(kLevels, std::max(0.0f, std::nearbyint((v - mf) / df)))) : 0u;
+        };
+        dst[(b0 + static_cast<std::size_t>(i)) / 2].bits = static_cast<std::uint8_t>(code(x[i]) | (code(x[i + 1]) << 4));
+      }
+    }
+  }
+  /// Value `column` of a row: its code in the row's unit column / 2, read with its block's scale.
+  static float dequantize(const q4_block* row, std::size_t column, const BlockScale* scales) noexcept {
+    return value(code(row, column), scales[column / block]);
+  }
+  /// The code of value `column` of a row, from 0 to 15.
+  static unsigned code(const q4_block* row, std::size_t column) noexcept {
+    return (row[column / 2].bits >> (column % 2 * 4)) & 0xFu;
+  }
+  /// q · d + m, as one fused multiply-add (as the kernels compute it).
+  static float value(unsigned q, BlockScale s) noexcept {
+    return std::fma(static_cast<float>(q), static_cast<float>(s.d), static_cast<float>(s.m));
+  }
+};
+
 /// F's quantization of the row rotated by the Walsh–Hadamard transform (see the top of this file).
 template <class F> struct format_traits<hadamard<F>> {
   using unit = hadamard<F>;
   static constexpr std::string_view name = format_traits<F>::rotated_name;
   static constexpr int bits = format_traits<F>::bits;
-  static constexpr bool row_scale = true;
+  static constexpr bool row_scale = format_traits<F>::row_scale;
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = true;
+  static constexpr bool block_scale = format_traits<F>::block_scale;
+  static constexpr int values_per_unit = format_traits<F>::values_per_unit, block = format_traits<F>::block;
 
-  /// src [n] -> H src / sqrt(n) -> F's quantization; n a power of two <= kMaxRotatedDim.
-  template <class Src> static float quantize_row(const Src* src, hadamard<F>* dst, std::size_t n) noexcept {
+  /// src [n] -> H src / sqrt(n) -> F's quantization (its scales the same way: `scales...` is
+  /// F's BlockScale array where F has block scales); n a power of two <= kMaxRotatedDim.
+  template <class Src, class... Scales>
+  static auto quantize_row(const Src* src, hadamard<F>* dst, std::size_t n, Scales... scales) noexcept {
     float x[kMaxRotatedDim];
     for (std::size_t i = 0; i < n; ++i) x[i] = to_float(src[i]);
     hadamard_rotate(x, static_cast<int>(n));
-    return format_traits<F>::quantize_row(x, static_cast<F*>(dst), n);
+    return format_traits<F>::quantize_row(x, static_cast<F*>(dst), n, scales...);
   }
   /// One value in the rotated basis (the row is rotated back after: hadamard_rotate).
-  static float dequantize(F x, float scale) noexcept { return format_traits<F>::dequantize(x, scale); }
+  template <class... A> static float dequantize(A... a) noexcept { return format_traits<F>::dequantize(a...); }
 };
 
 /// True for the types a cache can be made of: fp32, fp16, bf16 and the formats above.
 template <class F>
 inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>> ||
                                        std::is_same_v<F, fp8_e4m3_row> || std::is_same_v<F, hadamard<fp8_e4m3_row>> ||
-                                       std::is_same_v<F, fp8_e4m3_layer>;
+                                       std::is_same_v<F, fp8_e4m3_layer> || std::is_same_v<F, q4_block> ||
+                                       std::is_same_v<F, hadamard<q4_block>>;
 
 /// True for the formats whose values are int8 with a scale per row: int8_row, hadamard<int8_row>.
 template <class F>

@@ -247,7 +247,8 @@ void run(const char* op, const PagedKvView<T>& kv, const float* q, float* out, f
 template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
 void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
                 const P& policy = P{}, Isa = Isa{}) {
-  static_assert(!format_traits<T>::row_scale && !format_traits<T>::layer_scale, "kvattn::mla_decode: MLA caches are fp32, fp16 or bf16");
+  static_assert(!format_traits<T>::row_scale && !format_traits<T>::layer_scale && !format_traits<T>::block_scale,
+                "kvattn::mla_decode: MLA caches are fp32, fp16 or bf16");
   mla_impl::run("mla_decode", kv, q, out, lse, plan, pf, policy, plan.scale(), Isa{});
 }
 

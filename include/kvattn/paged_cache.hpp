@@ -100,15 +100,20 @@ struct PageLayout {
   std::int64_t head_stride = 0;    ///< GQA: units from one head block to the next
   int latent_dim = 0, rope_dim = 0;  ///< MLA
   std::int64_t row_stride = 0;       ///< MLA: units from one token's row to the next
-  /// GQA formats with a scale per row: units from the page's start to its scale block,
-  /// [2 (K, V)][kv_heads][page_size] floats on a cache line (key_scale, value_scale); 0: none.
+  /// GQA formats with scales in the page (a scale per row, or per block of a row): units from
+  /// the page's start to its scale block, [2 (K, V)][kv_heads][page_size][scale_slots] 4-byte
+  /// slots on a cache line (key_scale, value_scale); 0: none.
   std::int64_t scale_offset = 0;
   std::int64_t page_stride = 0;      ///< units from one page to the next (64-byte multiple)
   int unit_bytes = 0;                ///< bytes of one unit
+  int row_units = 0;                 ///< GQA: units of one token's row of one KV head (head_dim / values per unit)
+  int scale_slots = 0;               ///< GQA: 4-byte scale slots per row (1: a row scale; head_dim / block: block scales)
 
-  /// The layout for `shape` with pages of `page_size` tokens of units of `unit_bytes`; with
-  /// `row_scales`, a GQA page ends in a scale block.
-  static PageLayout make(const AttentionShape& shape, int page_size, std::size_t unit_bytes, bool row_scales = false) {
+  /// The layout for `shape` with pages of `page_size` tokens of units of `unit_bytes`, each
+  /// holding `values_per_unit` values; with `scale_slots` > 0, a GQA page ends in a scale block
+  /// of that many 4-byte slots per row.
+  static PageLayout make(const AttentionShape& shape, int page_size, std::size_t unit_bytes, int scale_slots = 0,
+                         int values_per_unit = 1) {
     const auto pad = [&](std::int64_t units) {  // round up to whole cache lines
       const auto per_line = static_cast<std::int64_t>(kAlignment / unit_bytes);
       return (units + per_line - 1) / per_line * per_line;
@@ -120,11 +125,13 @@ struct PageLayout {
       l.content = PageContent::gqa;
       l.kv_heads = g->kv_heads;
       l.head_dim = g->head_dim;
-      l.head_stride = pad(std::int64_t{page_size} * g->head_dim);
+      l.row_units = g->head_dim / values_per_unit;
+      l.head_stride = pad(std::int64_t{page_size} * l.row_units);
       l.page_stride = 2 * l.kv_heads * l.head_stride;
-      if (row_scales) {
+      if (scale_slots > 0) {
+        l.scale_slots = scale_slots;
         l.scale_offset = l.page_stride;
-        const std::int64_t scale_bytes = 2 * std::int64_t{l.kv_heads} * page_size * std::int64_t{sizeof(float)};
+        const std::int64_t scale_bytes = 2 * std::int64_t{l.kv_heads} * page_size * scale_slots * std::int64_t{4};
         l.page_stride += pad((scale_bytes + static_cast<std::int64_t>(unit_bytes) - 1) / static_cast<std::int64_t>(unit_bytes));
       }
     } else {
@@ -137,20 +144,31 @@ struct PageLayout {
     }
     return l;
   }
+  /// The layout a PagedKvCache<F> uses (format_traits<F>: its unit, values per unit, scales).
+  template <class F> static PageLayout of(const AttentionShape& shape, int page_size) {
+    using Tr = format_traits<F>;
+    int slots = Tr::row_scale ? 1 : 0;
+    if constexpr (Tr::block_scale)
+      if (const auto* g = std::get_if<GqaShape>(&shape)) slots = g->head_dim / Tr::block;
+    return make(shape, page_size, sizeof(typename Tr::unit), slots, Tr::values_per_unit);
+  }
 
-  /// GQA: first element of token `token`'s key (value) for KV head `head`: [head_dim].
-  constexpr std::int64_t key(int head, int token) const noexcept { return head * head_stride + std::int64_t{token} * head_dim; }
+  /// GQA: first unit of token `token`'s key (value) row for KV head `head`: [row_units].
+  constexpr std::int64_t key(int head, int token) const noexcept { return head * head_stride + std::int64_t{token} * row_units; }
   constexpr std::int64_t value(int head, int token) const noexcept {
-    return (kv_heads + head) * head_stride + std::int64_t{token} * head_dim;
+    return (kv_heads + head) * head_stride + std::int64_t{token} * row_units;
   }
   /// MLA: first element of token `token`'s latent [latent_dim] and rotary key [rope_dim].
   constexpr std::int64_t latent(int token) const noexcept { return std::int64_t{token} * row_stride; }
   constexpr std::int64_t rope(int token) const noexcept { return std::int64_t{token} * row_stride + latent_dim; }
-  /// GQA, formats with a scale per row: index, in the scale block's floats, of the scale of
-  /// token `token`'s key (value) row for KV head `head`. Tokens of one head are consecutive.
-  constexpr std::int64_t key_scale(int head, int token) const noexcept { return std::int64_t{head} * page_size + token; }
+  /// GQA, formats with scales in the page: index, in the scale block's 4-byte slots, of the first
+  /// scale of token `token`'s key (value) row for KV head `head` (its scale_slots follow).
+  /// Tokens of one head are consecutive.
+  constexpr std::int64_t key_scale(int head, int token) const noexcept {
+    return (std::int64_t{head} * page_size + token) * scale_slots;
+  }
   constexpr std::int64_t value_scale(int head, int token) const noexcept {
-    return (std::int64_t{kv_heads} + head) * page_size + token;
+    return ((std::int64_t{kv_heads} + head) * page_size + token) * scale_slots;
   }
   /// Values one token holds in one layer, padding and scales excluded.
   constexpr std::int64_t token_elements() const noexcept {
@@ -158,7 +176,8 @@ struct PageLayout {
   }
   /// Bytes one token holds in one layer, its scales included, padding excluded.
   constexpr std::int64_t token_bytes() const noexcept {
-    return token_elements() * unit_bytes + (scale_offset != 0 ? 2 * std::int64_t{kv_heads} * std::int64_t{sizeof(float)} : 0);
+    return content == PageContent::gqa ? 2 * std::int64_t{kv_heads} * (std::int64_t{row_units} * unit_bytes + std::int64_t{scale_slots} * 4)
+                                       : token_elements() * unit_bytes;
   }
 };
 
@@ -242,7 +261,7 @@ struct CacheStats {
 };
 
 template <class T, class M = HostMemory> class PagedKvCache {
-  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, or hadamard<> of int8_row or fp8_e4m3_row (format.hpp)");
+  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, q4_block, or hadamard<> of int8_row, fp8_e4m3_row or q4_block (format.hpp)");
 
  public:
   using element_type = T;  ///< the format: format_traits<T>
@@ -251,13 +270,15 @@ template <class T, class M = HostMemory> class PagedKvCache {
   static constexpr bool kRowScale = format_traits<T>::row_scale;
   /// Whether one key scale and one value scale serve each layer (format.hpp): the cache holds them.
   static constexpr bool kLayerScale = format_traits<T>::layer_scale;
+  /// Whether each block of a row carries a scale and a minimum (format.hpp): in the scale block.
+  static constexpr bool kBlockScale = format_traits<T>::block_scale;
 
   /// A cache of `config`'s size. `layer_scales`: for a format with one scale per layer
   /// (fp8_e4m3_layer), each layer's key and value scales [config.layers] (empty: 1 for every
   /// layer), each from 2^-126 to 2^100; other formats take none.
   explicit PagedKvCache(const CacheConfig& config, std::vector<KvScales> layer_scales = {}) : config_(config) {
     if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
-    if ((kRowScale || kLayerScale) && !std::holds_alternative<GqaShape>(config.shape))
+    if ((kRowScale || kLayerScale || kBlockScale) && !std::holds_alternative<GqaShape>(config.shape))
       raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name,
                                              " format holds GQA-family pages (keys and values per KV head); an MLA cache is fp32, fp16 or bf16"));
     if constexpr (kLayerScale) {
@@ -281,8 +302,15 @@ template <class T, class M = HostMemory> class PagedKvCache {
         raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name, " format rotates rows of head_dim=", d,
                                                ": head_dim must be a power of two up to ", kMaxRotatedDim));
     }
+    if constexpr (kBlockScale) {
+      const int d = std::get<GqaShape>(config.shape).head_dim;
+      if (d % format_traits<T>::block != 0 || d > kMaxBlockScaledDim)
+        raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name, " format quantizes blocks of ",
+                                               format_traits<T>::block, " values: head_dim=", d, " must be a multiple of ",
+                                               format_traits<T>::block, " up to ", kMaxBlockScaledDim));
+    }
     check_sizes(config);
-    layout_ = PageLayout::make(config.shape, config.page_size, sizeof(T), kRowScale);
+    layout_ = PageLayout::of<T>(config.shape, config.page_size);
     layer_stride_ = config.num_pages * layout_.page_stride;
     pool_bytes_ = static_cast<std::size_t>(layer_stride_ * config.layers) * sizeof(T);
     refcount_.assign(static_cast<std::size_t>(config.num_pages), 0);
@@ -481,6 +509,10 @@ template <class T, class M = HostMemory> class PagedKvCache {
           float* scales = scale_block(page);
           scales[layout_.key_scale(h, t)] = format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d);
           scales[layout_.value_scale(h, t)] = format_traits<T>::quantize_row(v + src, page + layout_.value(h, t), d);
+        } else if constexpr (kBlockScale) {
+          BlockScale* scales = block_scales(page);
+          format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d, scales + layout_.key_scale(h, t));
+          format_traits<T>::quantize_row(v + src, page + layout_.value(h, t), d, scales + layout_.value_scale(h, t));
         } else if constexpr (kLayerScale) {
           const KvScales& ls = scales_[static_cast<std::size_t>(layer)];
           format_traits<T>::quantize_row(k + src, page + layout_.key(h, t), d, ls.k);
@@ -501,7 +533,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// [first, first + count) of `seq` in `layer`. Copy-on-write as write().
   template <class Src, class Target = this_target>
   void write_latent(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* latent, const Src* rope) {
-    static_assert(!kRowScale && !kLayerScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale && !kBlockScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
     prepare_write(seq, layer, first, count, PageContent::mla, "write_latent");
     const Sequence& s = seqs_.at(seq);
     for (std::int64_t i = 0; i < count; ++i) {
@@ -543,6 +575,22 @@ template <class T, class M = HostMemory> class PagedKvCache {
         };
         dequantize(page + layout_.key(h, t), scales[layout_.key_scale(h, t)], kd);
         dequantize(page + layout_.value(h, t), scales[layout_.value_scale(h, t)], vd);
+      } else if constexpr (kBlockScale) {
+        const BlockScale* scales = block_scales(page);
+        const auto dequantize = [&](const T* q, const BlockScale* bs, Dst* dst) {
+          float x[format_traits<T>::rotated ? kMaxRotatedDim : 1];
+          for (std::size_t c = 0; c < d; ++c) {
+            const float value = format_traits<T>::dequantize(q, c, bs);
+            if constexpr (format_traits<T>::rotated) x[c] = value;
+            else dst[c] = from_float<Dst>(value);
+          }
+          if constexpr (format_traits<T>::rotated) {  // back from the rotated basis
+            hadamard_rotate(x, static_cast<int>(d));
+            for (std::size_t c = 0; c < d; ++c) dst[c] = from_float<Dst>(x[c]);
+          }
+        };
+        dequantize(page + layout_.key(h, t), scales + layout_.key_scale(h, t), kd);
+        dequantize(page + layout_.value(h, t), scales + layout_.value_scale(h, t), vd);
       } else if constexpr (kLayerScale) {
         const KvScales& ls = scales_[static_cast<std::size_t>(layer)];
         const T* kq = page + layout_.key(h, t);
@@ -561,7 +609,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`.
   template <class Dst, class Target = this_target>
   void read_latent(SeqId seq, int layer, std::int64_t position, Dst* latent, Dst* rope) const {
-    static_assert(!kRowScale && !kLayerScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale && !kBlockScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
     const T* page = token_page(seq, layer, position, PageContent::mla, "read_latent");
     const int t = static_cast<int>(position % config_.page_size);
     convert_row(typename Target::isa{}, page + layout_.latent(t), latent, static_cast<std::size_t>(layout_.latent_dim));
@@ -695,7 +743,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
     if (const auto* g = std::get_if<GqaShape>(&c.shape)) {
       blocks = I{2} * g->kv_heads;
       // A row's scale is at most 4 units more per token (scale block), padded like a head block.
-      width = I{g->head_dim} + (kRowScale ? I{4} : I{0});
+      width = I{g->head_dim} + (kRowScale || kBlockScale ? I{4} : I{0});
     } else {
       const MlaShape& m = std::get<MlaShape>(c.shape);
       width = I{m.latent_dim} + m.rope_dim;
@@ -838,6 +886,9 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// A page's scale block: [2][kv_heads][page_size] floats (formats with a scale per row).
   float* scale_block(T* page) const noexcept { return reinterpret_cast<float*>(page + layout_.scale_offset); }
   const float* scale_block(const T* page) const noexcept { return reinterpret_cast<const float*>(page + layout_.scale_offset); }
+  /// A page's scale block of a format with block scales: [2][kv_heads][page_size][scale_slots].
+  BlockScale* block_scales(T* page) const noexcept { return reinterpret_cast<BlockScale*>(page + layout_.scale_offset); }
+  const BlockScale* block_scales(const T* page) const noexcept { return reinterpret_cast<const BlockScale*>(page + layout_.scale_offset); }
 
   T* page_data(int layer, const Sequence& s, std::int64_t position) noexcept {
     return layer_data(layer) + std::int64_t{s.pages[static_cast<std::size_t>(position / config_.page_size)]} * layout_.page_stride;

@@ -421,14 +421,32 @@ void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t fir
         ks = Vec::set1(scales[kv.layout.key_scale(kv_head, slot)]);
         vs = Vec::set1(scales[kv.layout.value_scale(kv_head, slot)]);
       }
-      int c = 0;
-      for (; c + W <= dim; c += W) {
-        (Vec::load(k + c) * ks).store(kf + t * dim + c);
-        (Vec::load(v + c) * vs).store(vf + t * dim + c);
-      }
-      if (c < dim) {
-        (Vec::load_partial(k + c, dim - c) * ks).store_partial(kf + t * dim + c, dim - c);
-        (Vec::load_partial(v + c, dim - c) * vs).store_partial(vf + t * dim + c, dim - c);
+      if constexpr (format_traits<T>::block_scale) {  // codes times their block's scale plus its minimum
+        using Tr = format_traits<T>;
+        const auto* scales = reinterpret_cast<const BlockScale*>(page + kv.layout.scale_offset);
+        const BlockScale* kb = scales + kv.layout.key_scale(kv_head, slot);
+        const BlockScale* vb = scales + kv.layout.value_scale(kv_head, slot);
+        for (int c = 0; c < dim; c += 2 * W) {  // (head_dim is whole blocks: whole pairs of vectors)
+          Vec d, m, a, b2;
+          Vec::block_scale(kb + c / Tr::block, d, m);
+          Vec::load_pair(k + c / Tr::values_per_unit, a, b2);
+          fma(a, d, m).store(kf + t * dim + c);
+          fma(b2, d, m).store(kf + t * dim + c + W);
+          Vec::block_scale(vb + c / Tr::block, d, m);
+          Vec::load_pair(v + c / Tr::values_per_unit, a, b2);
+          fma(a, d, m).store(vf + t * dim + c);
+          fma(b2, d, m).store(vf + t * dim + c + W);
+        }
+      } else {
+        int c = 0;
+        for (; c + W <= dim; c += W) {
+          (Vec::load(k + c) * ks).store(kf + t * dim + c);
+          (Vec::load(v + c) * vs).store(vf + t * dim + c);
+        }
+        if (c < dim) {
+          (Vec::load_partial(k + c, dim - c) * ks).store_partial(kf + t * dim + c, dim - c);
+          (Vec::load_partial(v + c, dim - c) * vs).store_partial(vf + t * dim + c, dim - c);
+        }
       }
       if constexpr (format_traits<T>::rotated) {  // back from the rotated basis (format.hpp)
         hadamard_rotate(kf + t * dim, dim);

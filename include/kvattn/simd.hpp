@@ -14,6 +14,10 @@
 //                       (interleaves_pairs<T> is then true); otherwise a = p[0, lanes) and
 //                       b = p[lanes, 2 · lanes). A kernel stores the vectors it multiplies with
 //                       in the same order once (pair_order below) and never shuffles per load.
+//                       q4_block (two values a unit) reads 2 · lanes values from lanes units,
+//                       their codes 0-15 as floats, a = the first lanes values, b = the next:
+//                       the caller applies the block's scale and minimum (block_scale).
+//   block_scale(s, d, m) a BlockScale's scale and minimum, each in every lane.
 //   sum_each(v)         lanes vectors in, one out: lane i is the sum of v[i]'s lanes. A
 //                       transposing tree of adds, a few operations per vector instead of the
 //                       full reduction each reduce_add costs.
@@ -67,6 +71,15 @@ template <> struct Vec<isa::scalar> {
   template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
     a = load(p);
     b = load(p + 1);
+  }
+  static void load_pair(const q4_block* p, Vec& a, Vec& b) noexcept {  // the byte's low four bits, then its high four
+    a.v = static_cast<float>(p->bits & 0xF);
+    b.v = static_cast<float>(p->bits >> 4);
+  }
+  static void load_pair(const hadamard<q4_block>* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const q4_block*>(p), a, b); }
+  static void block_scale(const BlockScale* s, Vec& d, Vec& m) noexcept {
+    d.v = to_float(s->d);
+    m.v = to_float(s->m);
   }
   static Vec sum_each(const Vec* v) noexcept { return v[0]; }
 };
@@ -157,6 +170,26 @@ template <> struct Vec<isa::avx2> {
     b.v = _mm256_cvtph_ps(fp8_as_fp16(_mm_unpackhi_epi8(_mm_setzero_si128(), w)));
   }
   static void load_pair(const fp8_e4m3_layer* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const fp8_e4m3_row*>(p), a, b); }
+  // 8 codes of 4 bits (4 bytes, the even column in each byte's low bits): the 32-bit word in every
+  // lane, lane i shifted right by 4i and masked.
+  static Vec q4_codes(const q4_block* p) noexcept {
+    std::int32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const __m256i x = _mm256_srlv_epi32(_mm256_set1_epi32(w), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
+    return {_mm256_cvtepi32_ps(_mm256_and_si256(x, _mm256_set1_epi32(0xF)))};
+  }
+  static void load_pair(const q4_block* p, Vec& a, Vec& b) noexcept {
+    a = q4_codes(p);
+    b = q4_codes(p + 4);
+  }
+  static void load_pair(const hadamard<q4_block>* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const q4_block*>(p), a, b); }
+  static void block_scale(const BlockScale* s, Vec& d, Vec& m) noexcept {  // both fp16 in one conversion
+    std::int32_t w;
+    std::memcpy(&w, s, sizeof w);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+    d.v = _mm256_broadcastss_ps(f);
+    m.v = _mm256_broadcastss_ps(_mm_movehdup_ps(f));
+  }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     a.v = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -235,6 +268,25 @@ template <> struct Vec<isa::avx512> {
   template <class T> static void load_pair(const T* p, Vec& a, Vec& b) noexcept {
     a = load(p);
     b = load(p + lanes);
+  }
+  // 32 codes of 4 bits (16 bytes, the even column in each byte's low bits): a = the first 16
+  // (bytes 0-7), b = the next; lane i of a holds 32-bit word i / 8 shifted right by 4 · (i % 8).
+  static void load_pair(const q4_block* p, Vec& a, Vec& b) noexcept {
+    const __m512i w = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    const __m512i low4 = _mm512_set1_epi32(0xF);
+    const __m512i wa = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), w);
+    const __m512i wb = _mm512_permutexvar_epi32(_mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3), w);
+    a.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wa, shifts), low4));
+    b.v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(wb, shifts), low4));
+  }
+  static void load_pair(const hadamard<q4_block>* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const q4_block*>(p), a, b); }
+  static void block_scale(const BlockScale* s, Vec& d, Vec& m) noexcept {
+    std::int32_t w;
+    std::memcpy(&w, s, sizeof w);
+    const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(w));
+    d.v = _mm512_broadcastss_ps(f);
+    m.v = _mm512_broadcastss_ps(_mm_movehdup_ps(f));
   }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const __m512i w = _mm512_loadu_si512(p);
@@ -336,6 +388,24 @@ template <> struct Vec<isa::neon> {
     b.v = vcvt_f32_f16(vget_high_f16(h));
   }
   static void load_pair(const fp8_e4m3_layer* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const fp8_e4m3_row*>(p), a, b); }
+  // 8 codes of 4 bits (4 bytes, the even column in each byte's low bits): the 32-bit word in every
+  // lane, lane i shifted right by 4i (a) or 16 + 4i (b) and masked.
+  static void load_pair(const q4_block* p, Vec& a, Vec& b) noexcept {
+    std::uint32_t w;
+    std::memcpy(&w, p, sizeof w);
+    const uint32x4_t x = vdupq_n_u32(w), low4 = vdupq_n_u32(0xF);
+    static constexpr std::int32_t kShiftA[4] = {0, -4, -8, -12}, kShiftB[4] = {-16, -20, -24, -28};
+    a.v = vcvtq_f32_u32(vandq_u32(vshlq_u32(x, vld1q_s32(kShiftA)), low4));
+    b.v = vcvtq_f32_u32(vandq_u32(vshlq_u32(x, vld1q_s32(kShiftB)), low4));
+  }
+  static void load_pair(const hadamard<q4_block>* p, Vec& a, Vec& b) noexcept { load_pair(static_cast<const q4_block*>(p), a, b); }
+  static void block_scale(const BlockScale* s, Vec& d, Vec& m) noexcept {
+    std::uint32_t w;
+    std::memcpy(&w, s, sizeof w);
+    const float32x4_t f = vcvt_f32_f16(vreinterpret_f16_u32(vdup_n_u32(w)));
+    d.v = vdupq_laneq_f32(f, 0);
+    m.v = vdupq_laneq_f32(f, 1);
+  }
   static void load_pair(const bf16* p, Vec& a, Vec& b) noexcept {  // a: even elements, b: odd
     const uint32x4_t w = vld1q_u32(reinterpret_cast<const std::uint32_t*>(p));
     a.v = vreinterpretq_f32_u32(vshlq_n_u32(w, 16));
