@@ -7,12 +7,14 @@
 // shared page copies that page, in every layer, for the writer (copy-on-write).
 //
 // Storage, one KV format T (format.hpp: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer,
-// hadamard<>), in the memory space M:
+// q4_block, hadamard<>), in the memory space M:
 //   pool   [layers][num_pages][page_stride]        layer_stride = num_pages · page_stride
 // and within one page of one layer (PageLayout, in units of T):
-//   GQA family  [2 (K, V)][kv_heads][head_stride]  a head block holds [page_size][head_dim]
-//               then, for formats with a scale per row, the scale block
-//               [2 (K, V)][kv_heads][page_size] fp32
+//   GQA family  [2 (K, V)][kv_heads][head_stride]  a head block holds [page_size][row_units]
+//               (row_units = head_dim, or head_dim / 2 for q4_block's two values a byte)
+//               then, for formats with scales in the page, the scale block
+//               [2 (K, V)][kv_heads][page_size][scale_slots] of 4 bytes (one fp32 per row,
+//               or q4_block's BlockScale per block of 32 values)
 //   MLA         [page_size][row_stride]            a row holds [latent_dim | rope_dim]
 // Why: a decode kernel works on one (sequence, KV head) at a time and streams that head's keys,
 // then its values, page after page; with one KV head's tokens contiguous each page gives it two
@@ -91,7 +93,7 @@ struct TokenRange {
 };
 
 /// Offsets within one page of one layer, in units of the cache's format (format_traits<F>::unit:
-/// an element of fp32 / fp16 / bf16, a byte of the 8-bit formats). The same for every page and
+/// an element of fp32 / fp16 / bf16, a byte of the 8-bit and 4-bit formats). The same for every page and
 /// layer.
 struct PageLayout {
   PageContent content = PageContent::gqa;
@@ -490,7 +492,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
 
   /// GQA family: writes keys and values of tokens [first, first + count) of `seq` in `layer`.
   /// k, v: [count][kv_heads][head_dim] of fp32, fp16 or bf16 (converted to T, or quantized with
-  /// one scale per row or the layer's scales: format.hpp). Copies any shared page in that range
+  /// one scale per row, per block of a row, or the layer's scales: format.hpp). Copies any shared page in that range
   /// first (in every layer); fails before writing if the pool cannot. A format with one scale per
   /// layer refuses a NaN or an infinity (invalid_argument naming it), before writing anything.
   template <class Src, class Target = this_target>
