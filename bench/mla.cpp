@@ -7,6 +7,9 @@
 //       FLOP/s = 2 · heads · (576 + 512) per token and sequence (compare with
 //       machine/fma_peak_f32 for N threads, printed at the end of the same run);
 //       bytes_per_second = cached bytes read (576 bf16 per token).
+//   mla/folded/fp8_latent/..., mla/folded/int8_latent/...   the same over a cache of an MLA
+//       format (format.hpp: the latent in fp8 e4m3 or int8 in blocks of 128 with an fp32 scale
+//       each, the rotary key in bf16; 656 bytes per token), beside bf16's rows.
 //   mla/unfolded/bf16/ctx:C/batch:1/threads:N   the same step the unfolded way: every token's
 //       per-head key (W_UK,i c) and value (W_UV,i c) rebuilt from its latent with Eigen
 //       (matrix products), then each head's attention; heads shared out among the threads.
@@ -44,6 +47,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -72,10 +76,11 @@ std::vector<float> normal(std::size_t n, unsigned seed, float sd = 1.0f) {
   return v;
 }
 
-/// A one-layer cache of `batch` sequences of `ctx` tokens whose storage is random bf16 in
-/// ±[1/8, 2), kept for the next benchmark of the same configuration (one at a time).
-template <class Shape> struct Filled {
-  std::unique_ptr<PagedKvCache<bf16>> cache;
+/// A one-layer cache of format T of `batch` sequences of `ctx` tokens, kept for the next
+/// benchmark of the same configuration (one at a time): for bf16, random elements in ±[1/8, 2);
+/// for an MLA format, 64 rows of random latents and rotary keys written in turn.
+template <class Shape, class T = bf16> struct Filled {
+  std::unique_ptr<PagedKvCache<T>> cache;
   kvattn::BatchPageTable table;
 
   static Filled& get(const Shape& shape, std::int64_t ctx, std::int64_t batch) {
@@ -85,14 +90,22 @@ template <class Shape> struct Filled {
     kept.clear();
     Filled& f = kept[key];
     const std::int64_t pages = batch * ((ctx + kPage - 1) / kPage);
-    f.cache = std::make_unique<PagedKvCache<bf16>>(kvattn::CacheConfig{1, kPage, pages, shape});
+    f.cache = std::make_unique<PagedKvCache<T>>(kvattn::CacheConfig{1, kPage, pages, shape});
     std::vector<kvattn::SeqId> seqs;
     for (std::int64_t b = 0; b < batch; ++b) {
       seqs.push_back(f.cache->add_sequence());
       f.cache->append(seqs.back(), ctx);
     }
     f.table = f.cache->page_table(seqs);
-    bf16* data = f.cache->layer_data(0);
+    if constexpr (!std::is_same_v<T, bf16>) {
+      const MlaShape& m = shape;
+      const auto latent = normal(std::size_t{64} * m.latent_dim, 4), rope = normal(std::size_t{64} * m.rope_dim, 5);
+      for (kvattn::SeqId s : seqs)
+        for (std::int64_t t = 0; t < ctx; ++t)
+          f.cache->write_latent(s, 0, t, &latent[std::size_t(t % 64) * m.latent_dim], &rope[std::size_t(t % 64) * m.rope_dim]);
+      return f;
+    }
+    T* data = f.cache->layer_data(0);
     const std::int64_t n = pages * f.cache->layout().page_stride;
     std::uint64_t x = 0x9E3779B97F4A7C15ull;
     for (std::int64_t i = 0; i < n; ++i) {
@@ -104,17 +117,17 @@ template <class Shape> struct Filled {
     }
     return f;
   }
-  kvattn::PagedKvView<bf16> view() const { return cache->view(table, 0); }
+  kvattn::PagedKvView<T> view() const { return cache->view(table, 0); }
 };
 
 double folded_flops(std::int64_t batch, std::int64_t ctx) {
   return 2.0 * double(batch) * double(ctx) * kShape.heads * (kK + kShape.latent_dim);
 }
 
-void bm_folded(benchmark::State& state) {
+template <class T = bf16> void bm_folded(benchmark::State& state) {
   const std::int64_t ctx = state.range(0), batch = state.range(1);
   const int threads = static_cast<int>(state.range(2));
-  const auto& f = Filled<MlaShape>::get(kShape, ctx, batch);
+  const auto& f = Filled<MlaShape, T>::get(kShape, ctx, batch);
   const auto q = normal(std::size_t(batch) * kShape.heads * kK, 1, 0.3f);
   std::vector<float> out(std::size_t(batch) * kShape.heads * kShape.latent_dim);
   kvattn::DecodePlan plan;
@@ -126,7 +139,7 @@ void bm_folded(benchmark::State& state) {
     }
   });
   kvattn::bench::report_flops(state, folded_flops(batch, ctx));
-  kvattn::bench::report_bytes(state, batch * ctx * kK * 2);
+  kvattn::bench::report_bytes(state, batch * ctx * f.cache->layout().token_bytes());
 }
 
 /// One step the unfolded way, for one sequence: latents to fp32, then per head: keys and values
@@ -202,14 +215,16 @@ const bool registered = [] {
   const auto setup = [](benchmark::internal::Benchmark* b) {
     b->ArgNames({"ctx", "batch", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
   };
-  auto* folded = benchmark::RegisterBenchmark("mla/folded/bf16", bm_folded);
+  auto* folded = benchmark::RegisterBenchmark("mla/folded/bf16", bm_folded<bf16>);
+  auto* fp8 = benchmark::RegisterBenchmark("mla/folded/fp8_latent", bm_folded<kvattn::fp8_e4m3_latent>);
+  auto* int8 = benchmark::RegisterBenchmark("mla/folded/int8_latent", bm_folded<kvattn::int8_latent>);
   auto* unfolded = benchmark::RegisterBenchmark("mla/unfolded/bf16", bm_unfolded);
   auto* mha = benchmark::RegisterBenchmark("mla/mha128/bf16", bm_mha);
-  for (auto* b : {folded, unfolded, mha}) setup(b);
+  for (auto* b : {folded, fp8, int8, unfolded, mha}) setup(b);
   for (int batch : kBatches)
     for (std::int64_t ctx : kContexts)
       for (int threads : kThreads) {
-        folded->Args({ctx, batch, threads});
+        for (auto* b : {folded, fp8, int8}) b->Args({ctx, batch, threads});
         if (batch * ctx * std::int64_t{128 * 128 * 2 * 2} <= kMhaMaxBytes) mha->Args({ctx, batch, threads});
       }
   for (std::int64_t ctx : kUnfoldedContexts)

@@ -4,6 +4,7 @@
 //   kv_budget --layers 32 --q-heads 32 --kv-heads 8 --head-dim 128 --bits 8 --json
 //   kv_budget --preset llama-3-8b --format int8 --memory 80GiB --weights 16GB
 //   kv_budget --preset llama-3-8b --format q4_hadamard --memory 80GiB --weights 16GB
+//   kv_budget --preset deepseek-v2 --format fp8_latent --compare
 //   kv_budget --preset llama-3.1-70b --memory 80GiB --weights 141GB --tp 4
 //
 // Every figure comes from kvattn/budget.hpp; this file only reads flags and prints.
@@ -35,12 +36,14 @@ options:
   --bits N        bits per cached element, fractions allowed (default 16): a uniform width,
                   for formats the cache may not have
   --format NAME   a KV format of the cache, counted exactly: its values and its scales (per
-                  row, or per block of 32 values in q4), and capacity in pages padded as the
-                  cache pads them. Excludes --bits.
+                  row, per block of 32 values in q4, per block of 128 latent values in
+                  fp8_latent and int8_latent), and capacity in pages padded as the cache pads
+                  them. Excludes --bits.
                   NAME: {formats}.
-                  A design the format cannot hold (MLA in int8 or q4, a head_dim not a power
-                  of two in int8_hadamard or q4_hadamard, not a multiple of 32 in q4) shows
-                  as n/a
+                  A design the format cannot hold (MLA in int8, fp8 or q4; MHA, GQA or MQA in
+                  fp8_latent or int8_latent; a head_dim not a power of two in int8_hadamard or
+                  q4_hadamard, not a multiple of 32 in q4; a latent_dim not a multiple of 128
+                  in fp8_latent or int8_latent) shows as n/a
   --compare       the same model as MHA, GQA, MQA and MLA side by side, where the shape allows
   --json          machine-readable: a JSON array, one object per row, exact integer byte counts
   --memory SIZE   memory of one device (e.g. 80GiB, 141GB, 1073741824): plan capacity
@@ -60,7 +63,26 @@ struct BadInput {
 std::string usage() {
   std::string text = kUsage;
   const std::string_view slot = "{formats}";
-  text.replace(text.find(slot), slot.size(), kvattn::KvFormat::names());
+  const std::size_t at = text.find(slot);
+  // The names wrapped as the text around them is: lines of at most 96 columns, continued under "NAME: ".
+  const std::size_t column = at - text.rfind('\n', at) - 1, width = 96;
+  const std::string names = kvattn::KvFormat::names();
+  std::string wrapped;
+  std::size_t used = column;
+  for (std::size_t from = 0; from < names.size();) {
+    std::size_t to = names.find(' ', from);
+    to = to == std::string::npos ? names.size() : to + 1;
+    const std::string word = names.substr(from, to - from);
+    if (used + word.size() > width && used > column) {
+      while (!wrapped.empty() && wrapped.back() == ' ') wrapped.pop_back();
+      wrapped += "\n" + std::string(column, ' ');
+      used = column;
+    }
+    wrapped += word;
+    used += word.size();
+    from = to;
+  }
+  text.replace(at, slot.size(), wrapped);
   return text;
 }
 
@@ -268,10 +290,15 @@ struct Row {
 };
 
 /// "16 bits per element", "int8 format (8-bit values, a 4-byte scale per row)",
-/// "q4 format (4-bit values, a 4-byte scale and minimum per block of 32 values)"
+/// "q4 format (4-bit values, a 4-byte scale and minimum per block of 32 values)",
+/// "fp8_latent format (MLA rows: 8-bit latent values, a 4-byte scale per block of 128 of them,
+/// a 16-bit rotary key)"
 std::string width_text(const kvattn::Workload& w) {
   if (!w.format) return w.bits.to_string() + " bits per element";
   const kvattn::KvFormat& f = *w.format;
+  if (f.latent_scale())
+    return kvattn::detail::concat(f.name(), " format (MLA rows: ", f.bits(), "-bit latent values, a ", f.latent_scale_bytes(),
+                                  "-byte scale per block of ", f.latent_block(), " of them, a ", f.rope_bits(), "-bit rotary key)");
   // The cache's block scales are BlockScale: an fp16 scale and an fp16 minimum.
   return kvattn::detail::concat(f.name(), " format (", f.bits(), "-bit values",
                                 f.row_scale() ? kvattn::detail::concat(", a ", f.scale_bytes(), "-byte scale per row") : "",
@@ -296,9 +323,11 @@ void print_json(const Options& o, const std::vector<Row>& rows) {
     else
       std::printf(", \"kv_heads\": %d, \"head_dim\": %d", m.gqa().kv_heads, m.gqa().head_dim);
     if (o.workload.format)
-      std::printf(", \"format\": \"%s\", \"scale_bytes_per_row\": %d, \"block\": %d, \"scale_bytes_per_block\": %d",
+      std::printf(", \"format\": \"%s\", \"scale_bytes_per_row\": %d, \"block\": %d, \"scale_bytes_per_block\": %d"
+                  ", \"latent_block\": %d, \"scale_bytes_per_latent_block\": %d, \"rope_bits\": %d",
                   std::string(o.workload.format->name()).c_str(), o.workload.format->scale_bytes(),
-                  o.workload.format->block(), o.workload.format->block_scale_bytes());
+                  o.workload.format->block(), o.workload.format->block_scale_bytes(), o.workload.format->latent_block(),
+                  o.workload.format->latent_scale_bytes(), o.workload.format->rope_bits());
     else
       std::printf(", \"format\": null");
     std::printf(", \"bits\": %s, \"context\": %" PRIu64 ", \"batch\": %" PRIu64, o.workload.bits.to_string().c_str(),

@@ -1,6 +1,6 @@
 // The KV-cache arithmetic: DESIGN.md's worked examples, the identities between designs,
-// linearity, sub-byte widths, the cache's KV formats counted exactly (their row and block scales,
-// against real caches' page layouts), and the capacity planner under tensor parallelism.
+// linearity, sub-byte widths, the cache's KV formats counted exactly (their row, block and latent
+// scales, against real caches' page layouts), and the capacity planner under tensor parallelism.
 #include <kvattn/budget.hpp>
 #include <kvattn/paged_cache.hpp>
 
@@ -49,6 +49,12 @@ static_assert(KvFormat::of<kvattn::hadamard<kvattn::fp8_e4m3_row>>() == kv_forma
 static_assert(KvFormat::of<kvattn::fp8_e4m3_layer>() == kv_formats::fp8_layer);
 static_assert(KvFormat::of<kvattn::q4_block>() == kv_formats::q4);
 static_assert(KvFormat::of<kvattn::hadamard<kvattn::q4_block>>() == kv_formats::q4_hadamard);
+static_assert(KvFormat::of<kvattn::fp8_e4m3_latent>() == kv_formats::fp8_latent);
+static_assert(KvFormat::of<kvattn::int8_latent>() == kv_formats::int8_latent);
+static_assert(KvFormat::kLatentScaleBytes == sizeof(float));
+static_assert(KvFormat::kLatentRopeBits == 8 * sizeof(kvattn::bf16));
+static_assert(kv_formats::fp8_latent.latent_block() == kvattn::format_traits<kvattn::fp8_e4m3_latent>::latent_block);
+static_assert(kv_formats::int8_latent.latent_block() == kvattn::format_traits<kvattn::int8_latent>::latent_block);
 static_assert(KvFormat::kMaxRotatedDim == kvattn::kMaxRotatedDim);
 static_assert(KvFormat::kMaxBlockScaledDim == kvattn::kMaxBlockScaledDim);
 static_assert(KvFormat::kBlockScaleBytes == sizeof(kvattn::BlockScale));
@@ -59,6 +65,12 @@ static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_form
 // q4: 2·8·(128/2 + 128/32·4)·32 = 40,960 bytes per token, its values and a 4-byte block scale per 32.
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::q4}).bytes_per_token == 40960);
 static_assert(kvattn::footprint(presets::llama3_8b.model, Workload{1, 1, kv_formats::q4_hadamard}).bytes_per_token == 40960);
+// The MLA formats: DeepSeek-V2's row is 512 + 512/128·4 + 64·2 = 656 bytes (format_traits'
+// row_bytes), 60 · 656 = 39,360 per token.
+static_assert(kv_formats::fp8_latent.bytes_per_token_layer(presets::deepseek_v2.model.mla()) == 656);
+static_assert(kvattn::format_traits<kvattn::fp8_e4m3_latent>::row_bytes(512, 64) == 656);
+static_assert(kvattn::footprint(presets::deepseek_v2.model, Workload{1, 1, kv_formats::fp8_latent}).bytes_per_token == 39360);
+static_assert(kvattn::footprint(presets::deepseek_v2.model, Workload{1, 1, kv_formats::int8_latent}).bytes_per_token == 39360);
 
 TEST(Footprint, DesignWorkedExamples) {
   const auto f = kvattn::footprint(presets::llama2_7b.model, Workload{4096, 1, 16});
@@ -290,8 +302,15 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
   EXPECT_NE(kv_formats::fp8_layer, (KvFormat{"fp8_layer", 8}));  // the per-layer scales are part of it
   EXPECT_NE(kv_formats::fp16, kv_formats::bf16);  // same width, another format
   EXPECT_NE(kv_formats::int8, kv_formats::fp8);
-  EXPECT_EQ(KvFormat::names(), "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard");
-  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 ", "q4_block", "Q4", "q4_0"}) {
+  EXPECT_EQ(KvFormat::parse("fp8_latent"), kv_formats::fp8_latent);
+  EXPECT_EQ(KvFormat::parse("int8_latent"), kv_formats::int8_latent);
+  EXPECT_NE(kv_formats::fp8_latent, kv_formats::fp8);  // the latent blocks are part of it
+  EXPECT_NE(kv_formats::fp8_latent, (KvFormat{"fp8_latent", 8, KvFormat::Latent{64, 4, 16}}));
+  EXPECT_NE(kv_formats::fp8_latent, (KvFormat{"fp8_latent", 8, KvFormat::Latent{128, 4, 8}}));
+  EXPECT_EQ(KvFormat::names(),
+            "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard, fp8_latent, int8_latent");
+  for (const KvFormat& f : kv_formats::all) EXPECT_EQ(KvFormat::parse(f.name()), f) << f.name();  // round trip
+  for (const char* bad : {"", "int4", "INT8", "int8_row", "fp8_e4m3", "bf16 ", "q4_block", "Q4", "q4_0", "fp8_e4m3_latent", "latent"}) {
     SCOPED_TRACE(bad);
     try {
       KvFormat::parse(bad);
@@ -299,7 +318,9 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
     } catch (const kvattn::invalid_argument& e) {
       const std::string what = e.what();
       EXPECT_NE(what.find("'" + std::string(bad) + "'"), std::string::npos) << what;
-      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard"), std::string::npos) << what;
+      EXPECT_NE(what.find("fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard, fp8_latent, int8_latent"),
+                std::string::npos)
+          << what;
     }
   }
   EXPECT_THROW(KvFormat("x", 4), kvattn::invalid_argument);  // 4-bit values come in blocks with scales
@@ -310,6 +331,10 @@ TEST(Formats, ParseByNameAndListTheNamesOtherwise) {
   EXPECT_THROW(KvFormat("x", 8, KvFormat::Blocks{-32, 4}), kvattn::invalid_argument);
   EXPECT_THROW(KvFormat("x", 8, -1), kvattn::invalid_argument);
   EXPECT_NO_THROW(KvFormat("x", 8, KvFormat::Blocks{3, 2}));  // whole bytes need no even block
+  EXPECT_THROW(KvFormat("x", 8, KvFormat::Latent{0, 4, 16}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 8, KvFormat::Latent{128, -1, 16}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 8, KvFormat::Latent{128, 4, 12}), kvattn::invalid_argument);
+  EXPECT_THROW(KvFormat("x", 4, KvFormat::Latent{128, 4, 16}), kvattn::invalid_argument);
 }
 
 TEST(Formats, ExactBytesPerTokenCountTheScales) {
@@ -341,7 +366,7 @@ TEST(Formats, ExactBytesPerTokenCountTheScales) {
   EXPECT_EQ(Workload(1, 1, kv_formats::int8).bits, ElementBits(8));
 }
 
-TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
+TEST(Formats, MlaRejectsTheGqaFormatsWithScales) {
   const Model& ds = presets::deepseek_v2.model;  // 576 elements per token per layer, 60 layers
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token, 69120u);
   EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::fp32}).bytes_per_token, 138240u);
@@ -356,6 +381,7 @@ TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
       const std::string what = e.what();
       EXPECT_NE(what.find("the " + std::string(f.name()) + " format"), std::string::npos) << what;
       EXPECT_NE(what.find("model 'deepseek-v2' is MLA"), std::string::npos) << what;
+      EXPECT_NE(what.find("an MLA cache is fp32, fp16, bf16, fp8_latent or int8_latent"), std::string::npos) << what;
     }
     kvattn::CapacityRequest r;
     r.device_bytes = GiB;
@@ -372,6 +398,110 @@ TEST(Formats, MlaKeepsOnlyFormatsWithoutScales) {
             2u * 128 * 132);
   EXPECT_EQ(kvattn::footprint(kvattn::as_design(ds, Design::mqa), Workload{1, 1, kv_formats::int8}).bytes_per_token_layer,
             2u * 132);
+}
+
+/// An MLA format's bytes per token per layer and per page of `shape` against PageLayout::of<F>
+/// and format_traits<F>::row_bytes.
+template <class F> void expect_latent_rows_match_the_layout(const MlaShape& shape, int page) {
+  const KvFormat f = KvFormat::of<F>();
+  SCOPED_TRACE(::testing::Message() << f.name() << " latent_dim=" << shape.latent_dim << " rope_dim=" << shape.rope_dim
+                                    << " page_size=" << page);
+  const kvattn::PageLayout layout = kvattn::PageLayout::of<F>(shape, page);
+  EXPECT_EQ(f.bytes_per_token_layer(shape), static_cast<std::uint64_t>(layout.token_bytes()));
+  EXPECT_EQ(f.bytes_per_token_layer(shape), static_cast<std::uint64_t>(kvattn::format_traits<F>::row_bytes(shape.latent_dim, shape.rope_dim)));
+  EXPECT_EQ(f.page_bytes(shape, page), static_cast<std::uint64_t>(layout.page_stride * layout.unit_bytes));
+}
+
+TEST(Formats, LatentFormatsCountTheirRowsAsThePageLayoutLaysThemOut) {
+  const Model& ds = presets::deepseek_v2.model;          // 60 layers, latent 512 + rope 64
+  const MlaShape narrow{16, 256, 32, 128, 128, 0};       // 256 + 256/128·4 + 32·2 = 328 bytes
+  for (const KvFormat& f : {kv_formats::fp8_latent, kv_formats::int8_latent}) {
+    SCOPED_TRACE(std::string(f.name()));
+    EXPECT_TRUE(f.latent_scale());
+    EXPECT_FALSE(f.row_scale() || f.block_scale() || f.layer_scale() || f.rotated());
+    EXPECT_EQ(f.latent_block(), 128);
+    EXPECT_EQ(f.latent_scale_bytes(), 4);
+    EXPECT_EQ(f.rope_bits(), 16);
+    EXPECT_TRUE(f.holds(ds.attention));
+    EXPECT_TRUE(f.check(ds).empty()) << f.check(ds);
+    // 512 codes, 4 fp32 scales, 64 bf16: 656 bytes per token per layer, against bf16's 1,152.
+    const auto fp = kvattn::footprint(ds, Workload{4096, 3, f});
+    EXPECT_EQ(fp.elements_per_token_layer, 576u);
+    EXPECT_EQ(fp.bytes_per_token_layer, 656u);
+    EXPECT_EQ(fp.bytes_per_token, 39360u);
+    EXPECT_EQ(fp.bytes_per_sequence, 39360u * 4096);
+    EXPECT_EQ(fp.bytes_per_batch, 39360u * 4096 * 3);
+    EXPECT_EQ(f.bytes_per_token_layer(narrow), 328u);
+    EXPECT_EQ(Workload(1, 1, f).bits, ElementBits(8));
+  }
+  EXPECT_EQ(kvattn::footprint(ds, Workload{1, 1, kv_formats::bf16}).bytes_per_token_layer, 1152u);
+  for (int page : {1, 2, 3, 16, 64, 65}) {
+    expect_latent_rows_match_the_layout<kvattn::fp8_e4m3_latent>(ds.mla(), page);
+    expect_latent_rows_match_the_layout<kvattn::int8_latent>(ds.mla(), page);
+    expect_latent_rows_match_the_layout<kvattn::fp8_e4m3_latent>(narrow, page);
+    expect_latent_rows_match_the_layout<kvattn::int8_latent>(narrow, page);
+  }
+  // Pages are padded once: 3 rows of 656 bytes are 1,968, padded to 1,984; 16 rows fill whole lines.
+  EXPECT_EQ(kv_formats::fp8_latent.page_bytes(ds.mla(), 3), 1984u);
+  EXPECT_EQ(kv_formats::fp8_latent.page_bytes(ds.mla(), 16), 16u * 656);
+  // The capacity plan: every rank holds the whole latent, 60 layers of 656-byte rows.
+  kvattn::CapacityRequest r;
+  r.device_bytes = 80 * GiB;
+  r.tensor_parallel = 8;
+  r.page_size = 16;
+  r.format = kv_formats::fp8_latent;
+  const auto p = kvattn::plan_capacity(ds, r);
+  EXPECT_EQ(p.bytes_per_token_per_rank, 39360u);
+  EXPECT_EQ(p.bytes_per_token_all_ranks, 8u * 39360);
+  EXPECT_EQ(p.bytes_per_page_per_rank, 60u * 16 * 656);
+  EXPECT_EQ(p.pages, 80 * GiB / (60 * 16 * 656));
+}
+
+TEST(Formats, LatentFormatsHoldMlaModelsOfWholeLatentBlocksOnly) {
+  for (const KvFormat& f : {kv_formats::fp8_latent, kv_formats::int8_latent}) {
+    SCOPED_TRACE(std::string(f.name()));
+    // A GQA-family model, and the GQA forms of DeepSeek-V2 that --compare shows.
+    const Model& llama = presets::llama3_8b.model;
+    EXPECT_FALSE(f.holds(llama.attention));
+    const std::string why = f.check(llama);
+    EXPECT_EQ(why, "the " + std::string(f.name()) +
+                       " format holds MLA rows (a latent and a rotary key per token) only, and model 'llama-3-8b' is GQA "
+                       "(keys and values per KV head)");
+    try {
+      kvattn::footprint(llama, Workload{1, 1, f});
+      ADD_FAILURE() << "a GQA footprint in an MLA format";
+    } catch (const kvattn::invalid_argument& e) {
+      EXPECT_EQ(std::string(e.what()), why);
+    }
+    kvattn::CapacityRequest r;
+    r.device_bytes = GiB;
+    r.format = f;
+    EXPECT_THROW(kvattn::plan_capacity(llama, r), kvattn::invalid_argument);
+    for (const Model& row : kvattn::compare_designs(presets::deepseek_v2.model)) {
+      SCOPED_TRACE(std::string(kvattn::to_string(row.design())));
+      EXPECT_EQ(f.check(row).empty(), row.is_mla()) << f.check(row);
+      if (!row.is_mla()) {
+        EXPECT_NE(f.check(row).find("model 'deepseek-v2' is " + std::string(kvattn::to_string(row.design()))), std::string::npos);
+      }
+    }
+    // An MLA model whose latent is not whole blocks of 128.
+    for (int latent : {64, 100, 192, 520}) {
+      SCOPED_TRACE(latent);
+      const Model m{"x", 2, MlaShape{8, latent, 64, 128, 128, 0}};
+      ASSERT_TRUE(m.valid());
+      EXPECT_FALSE(f.holds(m.attention));
+      EXPECT_EQ(f.check(m), "the " + std::string(f.name()) + " format quantizes the latent in blocks of 128 values: latent_dim=" +
+                                std::to_string(latent) + " of model 'x' is not a multiple of 128");
+      EXPECT_THROW(kvattn::footprint(m, Workload{1, 1, f}), kvattn::invalid_argument);
+      EXPECT_THROW(kvattn::plan_capacity(m, r), kvattn::invalid_argument);
+    }
+    for (int latent : {128, 256, 1024}) EXPECT_TRUE(f.check(Model{"x", 2, MlaShape{8, latent, 64, 128, 128, 0}}).empty()) << latent;
+  }
+  // The real caches say the same.
+  EXPECT_THROW((kvattn::PagedKvCache<kvattn::fp8_e4m3_latent>(kvattn::CacheConfig{2, 1, 1, presets::llama3_8b.model.attention})),
+               kvattn::invalid_argument);
+  EXPECT_THROW((kvattn::PagedKvCache<kvattn::int8_latent>(kvattn::CacheConfig{2, 1, 1, MlaShape{8, 192, 64, 128, 128, 0}})),
+               kvattn::invalid_argument);
 }
 
 TEST(Formats, HadamardNeedsAPowerOfTwoHeadDim) {
@@ -535,6 +665,8 @@ TEST(Formats, PagesAreWhatARealCacheHolds) {
   const Model mla{"mla", 2, MlaShape{4, 10, 2, 8, 8, 0}};
   const Model odd32{"odd32", 3, GqaShape::gqa(12, 3, 32)};  // q4: head blocks of page_size · 16 bytes
   const Model wide{"wide", 2, GqaShape::gqa(4, 2, 96)};     // q4: 3 blocks a row
+  const Model latent{"latent", 3, MlaShape{16, 512, 64, 128, 128, 0}};  // MLA formats: rows of 656 bytes
+  const Model narrow{"narrow", 2, MlaShape{8, 256, 32, 64, 64, 0}};     // rows of 328 bytes
   for (int page : {1, 3, 7, 16, 17}) {
     for (int tp : {1, 2, 16}) {
       expect_pages_match_a_real_cache<kvattn::int8_row>(llama, page, tp);
@@ -554,6 +686,9 @@ TEST(Formats, PagesAreWhatARealCacheHolds) {
     expect_pages_match_a_real_cache<kvattn::fp8_e4m3_layer>(odd, page, 3);
     expect_pages_match_a_real_cache<kvattn::bf16>(mla, page, 1);
     expect_pages_match_a_real_cache<kvattn::fp32>(mla, page, 2);
+    expect_pages_match_a_real_cache<kvattn::fp8_e4m3_latent>(latent, page, 1);
+    expect_pages_match_a_real_cache<kvattn::int8_latent>(latent, page, 2);
+    expect_pages_match_a_real_cache<kvattn::fp8_e4m3_latent>(narrow, page, 4);
   }
 }
 

@@ -5,7 +5,8 @@
 // cases rejected when a cache is made or written; and the quantization error of attention on realistic keys
 // (Gaussian with a few outlier channels 20-50x larger, as real key caches have), as the
 // normalized mean squared error of decode's output against the double reference on the
-// unquantized keys and values (and, for q4_block, why its grid has an offset).
+// unquantized keys and values (and, for q4_block, why its grid has an offset); the MLA formats'
+// blocks, rows (FlashMLA's byte order) and attention error likewise.
 //
 // The kernels themselves are checked on the quantized caches by every decode and prefill test (decode_check.hpp,
 // test_prefill.cpp): there the reference reads the cache's dequantized keys and values, so the
@@ -26,6 +27,7 @@
 #include <vector>
 
 #include "cache_snapshot.hpp"
+#include "mla_reference.hpp"
 #include "reference.hpp"
 
 namespace {
@@ -679,7 +681,171 @@ TEST(Q4Cache, ScalesTravelWithTheirPages) {
   scales_travel_with_their_pages<kvattn::hadamard<q4_block>>(GqaShape::gqa(6, 3, 64));
 }
 
+// ---- the MLA formats: the latent in blocks of 128 with an fp32 scale each, the rotary key in bf16 --
+
+using kvattn::fp8_e4m3_latent;
+using kvattn::int8_latent;
+using kvattn::MlaShape;
+using Fp8Latent = kvattn::format_traits<fp8_e4m3_latent>;
+using Int8Latent = kvattn::format_traits<int8_latent>;
+
+/// n latent values: normal times 3, with one value 1000 times larger in every other block (its
+/// block's small values fall to fp8's subnormals and to int8's zero).
+std::vector<float> latent_values(std::size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  std::vector<float> x(n);
+  for (float& v : x) v = normal(rng);
+  for (std::size_t b = 0; b < n; b += 256) x[b + rng() % 128] *= 1000.0f;
+  return x;
+}
+
+/// Each block's scale and codes against the definition (format.hpp): fp8, s = max|x| / 448 and
+/// q = e4m3(x · (448 / max|x|)); int8, s = max|x| / 127 and q = round-half-even(x · (127 / max|x|));
+/// a value reads as q · s, rounded once.
+void expect_latent_matches_definition(const std::vector<float>& x, const std::vector<fp8_e4m3_latent>& f8,
+                                      const std::vector<float>& s8, const std::vector<int8_latent>& i8, const std::vector<float>& si) {
+  for (std::size_t b = 0; b < x.size() / 128; ++b) {
+    float amax = 0;
+    for (std::size_t i = b * 128; i < (b + 1) * 128; ++i) amax = std::max(amax, std::fabs(x[i]));
+    ASSERT_EQ(s8[b], amax / 448.0f) << "block " << b;
+    ASSERT_EQ(si[b], amax / 127.0f) << "block " << b;
+    for (std::size_t i = b * 128; i < (b + 1) * 128; ++i) {
+      EXPECT_EQ(f8[i].bits, kvattn::fp8_e4m3_encode(x[i] * (448.0f / amax))) << "element " << i;
+      EXPECT_EQ(i8[i].q, static_cast<std::int8_t>(std::nearbyint(x[i] * (127.0f / amax)))) << "element " << i;
+      EXPECT_EQ(Fp8Latent::dequantize(f8.data(), i, s8.data()), static_cast<float>(e4m3_value(f8[i].bits) * s8[b])) << i;
+      EXPECT_EQ(Int8Latent::dequantize(i8.data(), i, si.data()), static_cast<float>(i8[i].q * double(si[b]))) << i;
+    }
+  }
+}
+
+TEST(LatentFormats, QuantizeEachBlockAsDefined) {
+  for (std::size_t n : {128u, 256u, 512u}) {
+    SCOPED_TRACE(n);
+    const std::vector<float> x = latent_values(n, static_cast<unsigned>(n));
+    std::vector<fp8_e4m3_latent> f8(n);
+    std::vector<int8_latent> i8(n);
+    std::vector<float> s8(n / 128), si(n / 128);
+    Fp8Latent::quantize_latent(x.data(), f8.data(), s8.data(), n);
+    Int8Latent::quantize_latent(x.data(), i8.data(), si.data(), n);
+    expect_latent_matches_definition(x, f8, s8, i8, si);
+  }
+}
+
+TEST(LatentFormats, ZerosAndNonFiniteValuesAreTheirBlocksOwn) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    std::vector<float> x(384, 0.0f);  // block 0 zeros, block 1 holds a non-finite value, block 2 ordinary
+    x[130] = bad;
+    for (std::size_t i = 256; i < 384; ++i) x[i] = static_cast<float>(i % 7) - 3.0f;
+    std::vector<fp8_e4m3_latent> f8(384);
+    std::vector<int8_latent> i8(384);
+    std::vector<float> s8(3), si(3);
+    Fp8Latent::quantize_latent(x.data(), f8.data(), s8.data(), 384);
+    Int8Latent::quantize_latent(x.data(), i8.data(), si.data(), 384);
+    EXPECT_EQ(s8[0], 0.0f);
+    EXPECT_EQ(si[0], 0.0f);
+    EXPECT_TRUE(std::isnan(s8[1]));
+    EXPECT_TRUE(std::isnan(si[1]));
+    for (std::size_t i = 0; i < 128; ++i) {
+      EXPECT_EQ(Fp8Latent::dequantize(f8.data(), i, s8.data()), 0.0f);
+      EXPECT_EQ(Int8Latent::dequantize(i8.data(), i, si.data()), 0.0f);
+      EXPECT_TRUE(std::isnan(Fp8Latent::dequantize(f8.data(), 128 + i, s8.data()))) << i;
+      EXPECT_TRUE(std::isnan(Int8Latent::dequantize(i8.data(), 128 + i, si.data()))) << i;
+      // The ordinary block, within half a step of its values: fp8's 2^-4 of the value, int8's s / 2.
+      EXPECT_LE(std::fabs(Fp8Latent::dequantize(f8.data(), 256 + i, s8.data()) - x[256 + i]), std::fabs(x[256 + i]) / 16) << i;
+      EXPECT_LE(std::fabs(Int8Latent::dequantize(i8.data(), 256 + i, si.data()) - x[256 + i]), si[2] / 2 * (1 + 1e-6f)) << i;
+    }
+  }
+}
+
+/// A cache of format F: its rows hold the codes, the scales and the rotary key's bf16 elements
+/// in FlashMLA's order; read_latent returns the definition's values; fork, copy-on-write and
+/// truncate carry the rows (scales included) with their pages.
+template <class F> void latent_cache_rows(const MlaShape& shape) {
+  const int Dc = shape.latent_dim, Dr = shape.rope_dim;
+  const std::int64_t row = Dc + Dc / 128 * 4 + 2 * Dr;
+  for (int page : {1, 7, 16}) {
+    SCOPED_TRACE(kvattn::detail::concat("page=", page, " latent=", Dc, " rope=", Dr));
+    kvattn::PagedKvCache<F> cache(CacheConfig{2, page, 8, shape});
+    const kvattn::PageLayout& l = cache.layout();
+    EXPECT_EQ(l.row_stride, row);
+    EXPECT_EQ(l.rope_offset, Dc + Dc / 128 * 4);
+    EXPECT_EQ(l.latent_block, 128);
+    EXPECT_EQ(l.token_bytes(), row);
+    EXPECT_EQ(l.page_stride % 64, 0);
+    EXPECT_GE(l.page_stride, page * row);
+    EXPECT_LT(l.page_stride, page * row + 64);
+    const auto seq = cache.add_sequence();
+    const std::int64_t n = std::min<std::int64_t>(2 * page + 1, 8 * page);
+    cache.append(seq, n);
+    std::vector<std::vector<float>> lat, rope;
+    for (std::int64_t t = 0; t < n; ++t) {
+      lat.push_back(latent_values(static_cast<std::size_t>(Dc), static_cast<unsigned>(t + 1)));
+      rope.push_back(latent_values(static_cast<std::size_t>(Dr) * 128, static_cast<unsigned>(t + 100)));
+      rope.back().resize(static_cast<std::size_t>(Dr));
+      cache.write_latent(seq, 1, t, lat.back().data(), rope.back().data());
+    }
+    const auto expect_token = [&](kvattn::SeqId s, std::int64_t t, const std::vector<float>& x, const std::vector<float>& r) {
+      std::vector<F> codes(static_cast<std::size_t>(Dc));
+      std::vector<float> scales(static_cast<std::size_t>(Dc / 128)), got(static_cast<std::size_t>(Dc)), got_rope(static_cast<std::size_t>(Dr));
+      kvattn::format_traits<F>::quantize_latent(x.data(), codes.data(), scales.data(), static_cast<std::size_t>(Dc));
+      cache.read_latent(s, 1, t, got.data(), got_rope.data());
+      for (int c = 0; c < Dc; ++c)
+        ASSERT_EQ(got[static_cast<std::size_t>(c)], kvattn::format_traits<F>::dequantize(codes.data(), static_cast<std::size_t>(c), scales.data()))
+            << "token " << t << " column " << c;
+      for (int c = 0; c < Dr; ++c) ASSERT_EQ(got_rope[static_cast<std::size_t>(c)], static_cast<float>(kvattn::bf16(r[static_cast<std::size_t>(c)])));
+      // The bytes, in FlashMLA's order: codes, scales, bf16 rotary key.
+      const kvattn::BatchPageTable table = cache.page_table({s});
+      const auto* bytes = reinterpret_cast<const unsigned char*>(cache.view(table, 1).page(cache.pages(s)[static_cast<std::size_t>(t / page)]) +
+                                                                 (t % page) * row);
+      ASSERT_EQ(std::memcmp(bytes, codes.data(), static_cast<std::size_t>(Dc)), 0);
+      ASSERT_EQ(std::memcmp(bytes + Dc, scales.data(), scales.size() * 4), 0);
+      std::vector<kvattn::bf16> r16(r.begin(), r.end());
+      ASSERT_EQ(std::memcmp(bytes + Dc + Dc / 128 * 4, r16.data(), r16.size() * 2), 0);
+    };
+    for (std::int64_t t = 0; t < n; ++t) expect_token(seq, t, lat[static_cast<std::size_t>(t)], rope[static_cast<std::size_t>(t)]);
+    // A fork shares the pages; writing its last token copies that page, and the parent keeps its rows.
+    const auto child = cache.fork(seq);
+    const std::vector<float> other = latent_values(static_cast<std::size_t>(Dc), 999), other_rope(static_cast<std::size_t>(Dr), 0.25f);
+    cache.write_latent(child, 1, n - 1, other.data(), other_rope.data());
+    expect_token(child, n - 1, other, other_rope);
+    for (std::int64_t t = 0; t < n; ++t) expect_token(seq, t, lat[static_cast<std::size_t>(t)], rope[static_cast<std::size_t>(t)]);
+    cache.truncate(seq, 1);
+    expect_token(seq, 0, lat[0], rope[0]);
+  }
+}
+
+TEST(LatentCache, RowsHoldCodesScalesAndTheRotaryKeyAndTravelWithTheirPages) {
+  latent_cache_rows<fp8_e4m3_latent>(MlaShape{16, 512, 64, 128, 128, 0});  // 656 bytes a token
+  latent_cache_rows<int8_latent>(MlaShape{4, 256, 6, 32, 32, 0});
+  EXPECT_EQ((kvattn::PageLayout::of<fp8_e4m3_latent>(MlaShape{128, 512, 64, 128, 128, 1536}, 64).token_bytes()), 656);
+}
+
+TEST(LatentCache, ShapesTheFormatsCannotHoldAreRejectedNamingTheValues) {
+  for (int latent : {64, 100, 192, 520}) {
+    const std::string what = error_of([&] { kvattn::PagedKvCache<fp8_e4m3_latent> c(CacheConfig{1, 16, 2, MlaShape{4, latent, 16, 32, 32, 0}}); });
+    EXPECT_NE(what.find("fp8_latent format quantizes the latent in blocks of 128 values: latent_dim=" + std::to_string(latent) +
+                        " must be a multiple of 128"),
+              std::string::npos)
+        << what;
+  }
+  const std::string gqa = error_of([] { kvattn::PagedKvCache<int8_latent> c(CacheConfig{1, 16, 2, GqaShape::gqa(4, 2, 128)}); });
+  EXPECT_NE(gqa.find("int8_latent format holds MLA rows"), std::string::npos) << gqa;
+  const std::string row = error_of([] { kvattn::PagedKvCache<int8_row> c(CacheConfig{1, 16, 2, MlaShape{4, 128, 16, 32, 32, 0}}); });
+  EXPECT_NE(row.find("an MLA cache is fp32, fp16, bf16, fp8_e4m3_latent or int8_latent"), std::string::npos) << row;
+}
+
 // ---- quantization error of attention ----------------------------------------------------------
+
+/// Σ (got − ref)² / Σ ref².
+double nmse(const std::vector<double>& got, const std::vector<double>& ref) {
+  double err = 0, norm = 0;
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    err += (got[i] - ref[i]) * (got[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  return err / norm;
+}
 
 /// Keys: standard normal with `outliers` channels per KV head scaled by 20-50 (the same channels
 /// for every token, as in real key caches); values and queries standard normal.
@@ -748,12 +914,7 @@ double decode_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in,
   }
   std::vector<double> ref, ref_lse;
   reference::decode(exact, eseq, 0, s, in.q.data(), reference::Options{}, ref, ref_lse);
-  double err = 0, norm = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    err += (out[i] - ref[i]) * (out[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return err / norm;
+  return nmse(out, ref);
 }
 
 TEST(FormatAccuracy, AttentionErrorOnKeysWithOutlierChannels) {
@@ -846,12 +1007,7 @@ double rounded_nmse(const GqaShape& s, std::int64_t L, const RealisticInputs& in
     return out;
   };
   const std::vector<double> ref = attend(in), got = attend(r);
-  double err = 0, norm = 0;
-  for (std::size_t i = 0; i < ref.size(); ++i) {
-    err += (got[i] - ref[i]) * (got[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return err / norm;
+  return nmse(got, ref);
 }
 
 TEST(FormatAccuracy, WhyQ4HasAnOffsetGrid) {
@@ -890,6 +1046,56 @@ TEST(FormatAccuracy, WhyQ4HasAnOffsetGrid) {
   EXPECT_LT(g_offset, g_symmetric);  // ordinary rows: the offset grid spends no level outside the block's range
   EXPECT_LT(v_offset, v_symmetric);
   EXPECT_GT(k_offset, k_symmetric);  // keys with outliers: the symmetric grid keeps a zero
+}
+
+/// Σ (out − ref)² / Σ ref² of MLA decode attention (the reference, on the rows read_latent
+/// returns) over a cache of format T holding `latent` [L][latent_dim] and `rope` [L][rope_dim],
+/// against the same over an fp32 cache.
+template <class T>
+double mla_nmse(const MlaShape& s, std::int64_t L, const std::vector<float>& latent, const std::vector<float>& rope,
+                const std::vector<float>& q) {
+  const auto attend = [&](auto& cache) {
+    const auto seq = cache.add_sequence();
+    cache.append(seq, L);
+    cache.write_latent(seq, 0, 0, L, latent.data(), rope.data());
+    reference::Options o;
+    o.scale = 1.0 / std::sqrt(double(s.qk_head_dim()));
+    std::vector<double> out, lse;
+    reference::mla_attention(cache, seq, s, q.data(), o, out, lse);
+    return out;
+  };
+  kvattn::PagedKvCache<T> cache(CacheConfig{1, 16, (L + 15) / 16, s});
+  kvattn::PagedKvCache<float> exact(CacheConfig{1, 16, (L + 15) / 16, s});
+  const std::vector<double> out = attend(cache), ref = attend(exact);
+  return nmse(out, ref);
+}
+
+TEST(FormatAccuracy, MlaLatentFormats) {
+  // DeepSeek-V2-Lite's head layout, 2,048 tokens: latents standard normal with four channels
+  // 20-50x larger (the same for every token), rotary keys and absorbed queries standard normal.
+  const MlaShape shape{16, 512, 64, 128, 128, 0};
+  const std::int64_t L = 2048;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> big(20.0f, 50.0f);
+  std::vector<float> channel(512, 1.0f);
+  for (int i = 0; i < 4; ++i) channel[rng() % 512] = big(rng);
+  std::vector<float> latent(static_cast<std::size_t>(L) * 512), rope(static_cast<std::size_t>(L) * 64), q(16 * 576);
+  for (std::size_t i = 0; i < latent.size(); ++i) latent[i] = normal(rng) * channel[i % 512];
+  for (float& x : rope) x = normal(rng);
+  for (float& x : q) x = normal(rng);
+  const double bf16 = mla_nmse<kvattn::bf16>(shape, L, latent, rope, q);
+  const double fp8 = mla_nmse<fp8_e4m3_latent>(shape, L, latent, rope, q);
+  const double int8 = mla_nmse<int8_latent>(shape, L, latent, rope, q);
+  std::printf("MLA, context %lld: NMSE of decode's output: bf16 %.2e, fp8_latent %.2e, int8_latent %.2e\n", static_cast<long long>(L),
+              bf16, fp8, int8);
+  // Bounds about twice these inputs' (3.1e-5, 3.0e-4, 1.3e-3: the README's table). fp8's step is
+  // relative to each value and each block's largest value is exact; int8's is one step for the
+  // whole block, set by the block's outlier channel, so its ordinary values keep fewer bits.
+  EXPECT_LT(bf16, 1e-4);
+  EXPECT_LT(fp8, 6e-4);
+  EXPECT_LT(int8, 3e-3);
+  EXPECT_LT(fp8, int8 / 2);
 }
 
 }  // namespace

@@ -16,7 +16,8 @@
 // heads of 128; hidden sizes and query latents kept small so the double reference stays quick)
 // and small awkward ones (latent widths not a multiple of any SIMD width, 1, 3 and 5 heads);
 // pages of 1, 7, 16 and 64 tokens; contexts 0, 1, around a tile (31, 32, 33) and a few hundred;
-// fp32, fp16 and bf16 latents; the scalar and the native path.
+// fp32, fp16 and bf16 latents, and the MLA formats' fp8 and int8 ones; the scalar and the native
+// path.
 #if defined(__GNUC__) && !defined(__clang__)
 // GCC 12 reports -Wmaybe-uninitialized inside Eigen's AVX-512 GEMM code once it is inlined
 // into the layer functions (GCC bug 105593, a false positive; as in bench/prefill.cpp).
@@ -108,6 +109,24 @@ TYPED_TEST(MlaKernel, StorageTypes) {
     check_kernel<Isa, fp16>({s, 7, {0, 1, 33, 250}, 1});
     check_kernel<Isa, bf16>({s, 16, {0, 1, 33, 250}, 2});
   }
+}
+
+TYPED_TEST(MlaKernel, QuantizedLatentFormats) {
+  using Isa = typename TypeParam::type;
+  // fp8_e4m3_latent and int8_latent (format.hpp: the latent in blocks of 128 with an fp32 scale
+  // each, the rotary key in bf16), against the reference on the rows read_latent dequantizes:
+  // the same bounds. Latents of one, three and four blocks; pages of 1, 7 and 16; contexts 0, 1,
+  // around a tile and split into chunks; one policy.
+  using kvattn::fp8_e4m3_latent;
+  using kvattn::int8_latent;
+  const MlaShape one_block{3, 128, 6, 16, 12, 0}, three_blocks{5, 384, 8, 24, 16, 32};
+  for (int page : {1, 7, 16}) {
+    check_kernel<Isa, fp8_e4m3_latent>({one_block, page, {0, 1, 33, 250}, 1});
+    check_kernel<Isa, int8_latent>({three_blocks, page, {0, 1, 33, 250}, 2});
+  }
+  check_kernel<Isa, fp8_e4m3_latent>({kV2Lite, 7, {1000, 1, 0, 64}, 2, 1.0f, 64});
+  check_kernel<Isa, int8_latent>({kV2Lite, 16, {300, 31}, 1});
+  check_kernel<Isa, int8_latent, kvattn::Sinks>({kV2, 16, {77, 2}, 1}, 3);
 }
 
 TYPED_TEST(MlaKernel, SplitIntoChunksAndMerged) {

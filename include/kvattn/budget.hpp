@@ -10,14 +10,20 @@
 //    fill whole bytes round up once, at the level asked for (the cache as one packed stream),
 //    never per element;
 //  - a KV format of the cache (KvFormat: fp32, fp16, bf16, int8, int8_hadamard, fp8,
-//    fp8_hadamard, fp8_layer, q4, q4_hadamard; format.hpp),
-//    exactly: its values plus its scales, one per row for the 8-bit formats and one per block
-//    of 32 values of a row for the 4-bit ones (a row: head_dim values),
+//    fp8_hadamard, fp8_layer, q4, q4_hadamard, fp8_latent, int8_latent; format.hpp),
+//    exactly: its values plus its scales, one per row for the 8-bit GQA formats, one per block
+//    of 32 values of a row for the 4-bit ones (a row: head_dim values), and one per block of
+//    128 latent values for the MLA formats (fp8_latent, int8_latent: their rotary key in bf16),
 //      MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes
 //                                      + head_dim / block · block_scale_bytes)
-//      MLA             (latent_dim + rope_dim) · bits / 8   (formats without scales only)
-//    (head_dim · bits / 8 is whole: a 4-bit format's head_dim is a multiple of its block),
-//    and, for the capacity plan, pages counted as PageLayout lays them out, padding included.
+//      MLA             latent_dim · bits / 8 + latent_dim / latent_block · latent_scale_bytes
+//                        + rope_dim · rope_bits / 8
+//    (head_dim · bits / 8 is whole: a 4-bit format's head_dim is a multiple of its block). An
+//    MLA row is (latent_dim + rope_dim) · bits / 8 in fp32, fp16 and bf16, and
+//    latent_dim + latent_dim / 128 · 4 + rope_dim · 2 in fp8_latent and int8_latent (656 bytes
+//    at 512 + 64); the GQA formats with scales or rotation hold no MLA model, and the MLA
+//    formats no GQA-family one. For the capacity plan, pages are counted as PageLayout lays them
+//    out, padding included.
 //
 // Everything but parsing and the design comparison is constexpr: a configuration can be
 // checked by static_assert. Integer arithmetic is exact and checked: a count that does not fit
@@ -126,7 +132,7 @@ class ElementBits {
 // ---------------------------------------------------------------------------------------------
 // KV formats: what a cache of each element type (format.hpp) holds, to the byte.
 
-template <class F> struct format_traits;  // format.hpp: name, bits, values_per_unit, row_scale, block_scale, block, layer_scale, rotated
+template <class F> struct format_traits;  // format.hpp: name, bits, values_per_unit, row_scale, block_scale, block, layer_scale, rotated, latent_block
 
 /// A KV format as the arithmetic sees it: `bits` per value (4, or whole bytes: 8, 16, 32 or
 /// 64), its scales, and whether rows are rotated (head_dim then a power of two up to
@@ -136,14 +142,18 @@ template <class F> struct format_traits;  // format.hpp: name, bits, values_per_
 /// bytes per 32 values), both kept in the page's scale block; or one key and one value scale per
 /// layer (layer_scale: kept by the cache, not in its pages: no bytes). Values narrower than a
 /// byte (4 bits: two to a byte) come in blocks of whole bytes, and a cache of such a format
-/// holds head sizes that are a multiple of its block, so a row's values fill whole bytes. The
-/// shipped formats are kv_formats::fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard,
-/// fp8_layer, q4 and q4_hadamard; KvFormat::of<F>() reads format_traits<F> (format.hpp must then
-/// be included), KvFormat::parse finds one by name.
+/// holds head sizes that are a multiple of its block, so a row's values fill whole bytes. An MLA
+/// format (Latent) quantizes an MLA row's latent in blocks of `latent_block` values, each with
+/// `latent_scale_bytes` of scale kept in the row after the latent, and stores the rotary key at
+/// `rope_bits` per value. The shipped formats are kv_formats::fp32, fp16, bf16, int8,
+/// int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard, fp8_latent and int8_latent;
+/// KvFormat::of<F>() reads format_traits<F> (format.hpp must then be included), KvFormat::parse
+/// finds one by name.
 ///
 /// A format with scales (per row, per block or per layer), or a rotated one, holds GQA-family
 /// caches only (its scales and its rotation are per KV head): a cache of it cannot hold an MLA
-/// model (holds(), check()).
+/// model. An MLA format holds MLA caches only, of a latent_dim that is a multiple of its
+/// latent block. fp32, fp16 and bf16 hold either (holds(), check()).
 class KvFormat {
  public:
   /// The largest head_dim of a rotated format (format.hpp's kMaxRotatedDim, which it equals).
@@ -153,11 +163,22 @@ class KvFormat {
   static constexpr int kBlockScaleBytes = 4;
   /// The largest head_dim of a format with block scales (format.hpp's kMaxBlockScaledDim).
   static constexpr int kMaxBlockScaledDim = 1024;
+  /// Bytes of one latent block's scale in an MLA format's row (format.hpp: an fp32).
+  static constexpr int kLatentScaleBytes = 4;
+  /// Bits of one rotary-key value in an MLA format's row (format.hpp: a bf16).
+  static constexpr int kLatentRopeBits = 16;
 
   /// Scales per block of a row: `scale_bytes` for every `values` values; {0, 0}: no blocks.
   struct Blocks {
     int values;
     int scale_bytes;
+  };
+  /// An MLA format's row: `scale_bytes` of scale for every `block` latent values (`bits` each),
+  /// and a rotary key of `rope_bits` per value.
+  struct Latent {
+    int block;
+    int scale_bytes;
+    int rope_bits;
   };
 
   constexpr KvFormat(std::string_view name, int bits, int scale_bytes = 0, bool rotated = false, bool layer_scale = false,
@@ -168,7 +189,10 @@ class KvFormat {
         rotated_(rotated),
         layer_scale_(layer_scale),
         block_(blocks.values),
-        block_scale_bytes_(blocks.scale_bytes) {
+        block_scale_bytes_(blocks.scale_bytes),
+        latent_block_(0),
+        latent_scale_bytes_(0),
+        rope_bits_(bits) {
     if (bits != 4 && bits != 8 && bits != 16 && bits != 32 && bits != 64)
       raise<invalid_argument>(detail::concat("format '", name, "': bits=", bits, ": a value must be 4 bits, or 1, 2, 4 or 8 whole bytes"));
     if (scale_bytes < 0)
@@ -186,25 +210,47 @@ class KvFormat {
   /// A format with scales per block of a row: KvFormat("q4", 4, Blocks{32, 4}).
   constexpr KvFormat(std::string_view name, int bits, Blocks blocks, bool rotated = false)
       : KvFormat(name, bits, 0, rotated, false, blocks) {}
+  /// An MLA format: KvFormat("fp8_latent", 8, Latent{128, 4, 16}).
+  constexpr KvFormat(std::string_view name, int bits, Latent latent) : KvFormat(name, bits) {
+    if (latent.block <= 0 || latent.scale_bytes < 0)
+      raise<invalid_argument>(detail::concat("format '", name, "': latent blocks of ", latent.block, " values with ", latent.scale_bytes,
+                                             " scale bytes each: the block must be positive, the scale bytes not negative"));
+    if (latent.rope_bits != 8 && latent.rope_bits != 16 && latent.rope_bits != 32 && latent.rope_bits != 64)
+      raise<invalid_argument>(detail::concat("format '", name, "': rope_bits=", latent.rope_bits,
+                                             ": a rotary-key value must be 1, 2, 4 or 8 whole bytes"));
+    if (static_cast<long long>(latent.block) * bits % 8 != 0)
+      raise<invalid_argument>(detail::concat("format '", name, "': latent blocks of ", latent.block, " values of ", bits,
+                                             " bits: a block's values must fill whole bytes"));
+    latent_block_ = latent.block;
+    latent_scale_bytes_ = latent.scale_bytes;
+    rope_bits_ = latent.rope_bits;
+  }
 
   /// The format of the cache element type F: format_traits<F>'s name, bits, scales (one fp32 per
   /// row where row_scale; one BlockScale, kBlockScaleBytes, per `block` values where
-  /// block_scale), rotation and per-layer scales.
+  /// block_scale; one fp32, kLatentScaleBytes, per `latent_block` latent values of an MLA
+  /// format, whose rotary key is bf16), rotation and per-layer scales.
   template <class F> static constexpr KvFormat of() {
     using T = format_traits<F>;
     static_assert(sizeof(typename T::unit) * 8 == T::bits * T::values_per_unit,
                   "kvattn::KvFormat: a format's unit must hold values_per_unit values");
     static_assert(T::block_scale == (T::block > 0), "kvattn::KvFormat: a format has a block size exactly when it has block scales");
-    return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated, T::layer_scale,
-                    T::block_scale ? Blocks{T::block, kBlockScaleBytes} : Blocks{0, 0});
+    if constexpr (T::latent_block > 0) {
+      static_assert(!T::row_scale && !T::block_scale && !T::layer_scale && !T::rotated,
+                    "kvattn::KvFormat: an MLA format's only scales are its latent blocks'");
+      return KvFormat(T::name, T::bits, Latent{T::latent_block, kLatentScaleBytes, kLatentRopeBits});
+    } else {
+      return KvFormat(T::name, T::bits, T::row_scale ? static_cast<int>(sizeof(float)) : 0, T::rotated, T::layer_scale,
+                      T::block_scale ? Blocks{T::block, kBlockScaleBytes} : Blocks{0, 0});
+    }
   }
 
   /// The shipped format called `name`: "fp32", "fp16", "bf16", "int8", "int8_hadamard", "fp8",
-  /// "fp8_hadamard", "fp8_layer", "q4" or "q4_hadamard".
+  /// "fp8_hadamard", "fp8_layer", "q4", "q4_hadamard", "fp8_latent" or "int8_latent".
   /// Throws kvattn::invalid_argument naming `name` and the valid names otherwise.
   static KvFormat parse(std::string_view name);
   /// The shipped formats' names: "fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard,
-  /// fp8_layer, q4, q4_hadamard".
+  /// fp8_layer, q4, q4_hadamard, fp8_latent, int8_latent".
   static std::string names();
 
   constexpr std::string_view name() const noexcept { return name_; }
@@ -219,37 +265,32 @@ class KvFormat {
   constexpr bool block_scale() const noexcept { return block_ != 0; }
   constexpr bool rotated() const noexcept { return rotated_; }
   constexpr bool layer_scale() const noexcept { return layer_scale_; }  ///< one key and one value scale per layer
+  /// MLA formats: latent values per scale; 0: not an MLA format.
+  constexpr int latent_block() const noexcept { return latent_block_; }
+  constexpr int latent_scale_bytes() const noexcept { return latent_scale_bytes_; }  ///< per latent block; 0: none
+  constexpr bool latent_scale() const noexcept { return latent_block_ != 0; }  ///< an MLA format
+  /// Bits of one rotary-key value of an MLA row: an MLA format's own, else `bits`.
+  constexpr int rope_bits() const noexcept { return rope_bits_; }
 
-  /// Whether a cache of this format can hold a layer of `shape`: a GQA-family shape (of a
-  /// head_dim that is a multiple of the block, up to kMaxBlockScaledDim, with block scales, and a power of two up to
-  /// kMaxRotatedDim when rotated), or an MLA shape when the format has neither scales (per row,
-  /// per block or per layer) nor rotation.
+  /// Whether a cache of this format can hold a layer of `shape`: a GQA-family shape when the
+  /// format is not an MLA format (of a head_dim that is a multiple of the block, up to
+  /// kMaxBlockScaledDim, with block scales, and a power of two up to kMaxRotatedDim when
+  /// rotated), or an MLA shape when the format is an MLA format (of a latent_dim that is a
+  /// multiple of its latent block) or has neither scales (per row, per block or per layer) nor
+  /// rotation.
   constexpr bool holds(const AttentionShape& shape) const noexcept {
     // holds_alternative and get, not get_if: GCC's constant evaluation under -fsanitize rejects
     // get_if's null test of the address of a static object.
     if (std::holds_alternative<GqaShape>(shape)) {
       const int d = std::get<GqaShape>(shape).head_dim;
-      return (!block_scale() || (d % block_ == 0 && d <= kMaxBlockScaledDim)) && (!rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0));
+      return !latent_scale() && (!block_scale() || (d % block_ == 0 && d <= kMaxBlockScaledDim)) &&
+             (!rotated_ || (d > 0 && d <= kMaxRotatedDim && (d & (d - 1)) == 0));
     }
-    return !row_scale() && !block_scale() && !layer_scale_ && !rotated_;
+    if (latent_scale()) return std::get<MlaShape>(shape).latent_dim % latent_block_ == 0;
+    return !gqa_only();
   }
   /// Why a cache of this format cannot hold `model`, naming both; "" when it can.
-  std::string check(const Model& model) const {
-    if (holds(model.attention)) return {};
-    if (model.is_mla())
-      return detail::concat("the ", name_, " format (",
-                            row_scale()     ? std::string("a scale per row of a KV head")
-                            : block_scale() ? detail::concat("a scale per block of ", block_, " values of a row of a KV head")
-                            : layer_scale_  ? std::string("a key and a value scale per layer")
-                                            : std::string("rotated rows of a KV head"),
-                            ") holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA");
-    const int d = model.gqa().head_dim;
-    if (block_scale() && (d % block_ != 0 || d > kMaxBlockScaledDim))
-      return detail::concat("the ", name_, " format quantizes blocks of ", block_, " values: head_dim=", d, " of model '",
-                            model.name, "' is not a multiple of ", block_, " up to ", kMaxBlockScaledDim);
-    return detail::concat("the ", name_, " format rotates rows of head_dim=", d, " (model '", model.name,
-                          "'): head_dim must be a power of two up to ", kMaxRotatedDim);
-  }
+  std::string check(const Model& model) const;
   /// Throws kvattn::invalid_argument with check()'s message when the format cannot hold `model`.
   constexpr void require(const Model& model) const {
     if (!holds(model.attention)) raise<invalid_argument>(check(model));
@@ -258,21 +299,22 @@ class KvFormat {
   /// Bytes one token holds in one layer of `shape`: its values and its rows' scales, no padding
   /// (PageLayout::token_bytes). `shape` must be one the format holds.
   ///   MHA, GQA, MQA   2 · kv_heads · (head_dim · bits / 8 + scale_bytes + head_dim / block · block_scale_bytes)
-  ///   MLA             (latent_dim + rope_dim) · bits / 8
+  ///   MLA             latent_dim · bits / 8 + latent_dim / latent_block · latent_scale_bytes + rope_dim · rope_bits / 8
   constexpr std::uint64_t bytes_per_token_layer(const AttentionShape& shape) const {
     if (std::holds_alternative<GqaShape>(shape)) {
       const GqaShape& g = std::get<GqaShape>(shape);
       return detail::checked_mul(2 * static_cast<std::uint64_t>(g.kv_heads),
                                  detail::checked_add(row_value_bytes(g.head_dim), row_scale_bytes(g.head_dim)));
     }
-    return bits_bytes(elements_per_layer(std::get<MlaShape>(shape)));
+    return mla_row_bytes(std::get<MlaShape>(shape));
   }
   /// Bytes of one page of `page_size` tokens of one layer of `shape`, as PageLayout lays it out,
   /// padding included: a GQA page is 2 · kv_heads head blocks of page_size rows of
   /// head_dim · bits / 8 bytes, each rounded up to a whole cache line (kAlignment, 64 bytes),
   /// then, with scales, a scale block of 2 · kv_heads · page_size rows' scales (scale_bytes +
   /// head_dim / block · block_scale_bytes each) rounded up the same way; an MLA page is
-  /// page_size rows of latent_dim + rope_dim values, rounded up once.
+  /// page_size rows (bytes_per_token_layer each, an MLA format's latent scales in its rows),
+  /// rounded up once.
   constexpr std::uint64_t page_bytes(const AttentionShape& shape, int page_size) const {
     const auto tokens = static_cast<std::uint64_t>(page_size);
     if (std::holds_alternative<GqaShape>(shape)) {
@@ -282,12 +324,13 @@ class KvFormat {
       const std::uint64_t scales = whole_lines(detail::checked_mul(detail::checked_mul(blocks, tokens), row_scale_bytes(g.head_dim)));
       return detail::checked_add(detail::checked_mul(blocks, head_block), scales);
     }
-    return whole_lines(bits_bytes(detail::checked_mul(tokens, elements_per_layer(std::get<MlaShape>(shape)))));
+    return whole_lines(detail::checked_mul(tokens, mla_row_bytes(std::get<MlaShape>(shape))));
   }
 
   friend constexpr bool operator==(const KvFormat& a, const KvFormat& b) noexcept {
     return a.name_ == b.name_ && a.bits_ == b.bits_ && a.scale_bytes_ == b.scale_bytes_ && a.rotated_ == b.rotated_ &&
-           a.layer_scale_ == b.layer_scale_ && a.block_ == b.block_ && a.block_scale_bytes_ == b.block_scale_bytes_;
+           a.layer_scale_ == b.layer_scale_ && a.block_ == b.block_ && a.block_scale_bytes_ == b.block_scale_bytes_ &&
+           a.latent_block_ == b.latent_block_ && a.latent_scale_bytes_ == b.latent_scale_bytes_ && a.rope_bits_ == b.rope_bits_;
   }
   friend constexpr bool operator!=(const KvFormat& a, const KvFormat& b) noexcept { return !(a == b); }
 
@@ -302,9 +345,17 @@ class KvFormat {
     const std::uint64_t blocks = block_ == 0 ? 0 : static_cast<std::uint64_t>(head_dim / block_);
     return static_cast<std::uint64_t>(scale_bytes_) + blocks * static_cast<std::uint64_t>(block_scale_bytes_);
   }
-  static constexpr std::uint64_t elements_per_layer(const MlaShape& m) noexcept {
-    return static_cast<std::uint64_t>(m.latent_dim) + static_cast<std::uint64_t>(m.rope_dim);
+  /// Bytes of one MLA row: the latent's values, its block scales, the rotary key (whole for
+  /// the shapes the format holds).
+  constexpr std::uint64_t mla_row_bytes(const MlaShape& m) const {
+    const auto latent = static_cast<std::uint64_t>(m.latent_dim);
+    const std::uint64_t scales =
+        latent_block_ == 0 ? 0 : latent / static_cast<std::uint64_t>(latent_block_) * static_cast<std::uint64_t>(latent_scale_bytes_);
+    const std::uint64_t rope = detail::checked_mul(static_cast<std::uint64_t>(m.rope_dim), static_cast<std::uint64_t>(rope_bits_)) / 8;
+    return detail::checked_add(detail::checked_add(bits_bytes(latent), scales), rope);
   }
+  /// Whether the format's scales or rotation are per KV head: it holds GQA-family caches only.
+  constexpr bool gqa_only() const noexcept { return row_scale() || block_scale() || layer_scale_ || rotated_; }
   static constexpr std::uint64_t whole_lines(std::uint64_t bytes) {
     return detail::checked_mul(detail::ceil_div(bytes, kAlignment), kAlignment);
   }
@@ -316,6 +367,9 @@ class KvFormat {
   bool layer_scale_;
   int block_;
   int block_scale_bytes_;
+  int latent_block_;
+  int latent_scale_bytes_;
+  int rope_bits_;
 };
 
 /// The shipped formats (format.hpp), as KvFormat::of<F>() gives them.
@@ -331,7 +385,14 @@ inline constexpr KvFormat fp8_layer{"fp8_layer", 8, 0, false, true};  ///< fp8_e
 /// q4_block: 4-bit values, an fp16 scale and minimum (4 bytes) per block of 32 values of a row.
 inline constexpr KvFormat q4{"q4", 4, KvFormat::Blocks{32, KvFormat::kBlockScaleBytes}};
 inline constexpr KvFormat q4_hadamard{"q4_hadamard", 4, KvFormat::Blocks{32, KvFormat::kBlockScaleBytes}, true};  ///< hadamard<q4_block>
-inline constexpr std::array<KvFormat, 10> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard};
+/// fp8_e4m3_latent: MLA rows of an fp8 latent with an fp32 scale per block of 128 values, and a
+/// bf16 rotary key.
+inline constexpr KvFormat fp8_latent{"fp8_latent", 8, KvFormat::Latent{128, KvFormat::kLatentScaleBytes, KvFormat::kLatentRopeBits}};
+/// int8_latent: MLA rows of an int8 latent with an fp32 scale per block of 128 values, and a
+/// bf16 rotary key.
+inline constexpr KvFormat int8_latent{"int8_latent", 8, KvFormat::Latent{128, KvFormat::kLatentScaleBytes, KvFormat::kLatentRopeBits}};
+inline constexpr std::array<KvFormat, 12> all{fp32, fp16, bf16, int8, int8_hadamard, fp8, fp8_hadamard, fp8_layer, q4, q4_hadamard,
+                                              fp8_latent, int8_latent};
 }  // namespace kv_formats
 
 inline std::string KvFormat::names() {
@@ -344,6 +405,39 @@ inline KvFormat KvFormat::parse(std::string_view name) {
   for (const KvFormat& f : kv_formats::all)
     if (f.name() == name) return f;
   raise<invalid_argument>("no KV format called '" + std::string(name) + "': expected one of " + names());
+}
+
+inline std::string KvFormat::check(const Model& model) const {
+  if (holds(model.attention)) return {};
+  // The shipped formats that hold MLA caches: "fp32, fp16, bf16, fp8_latent or int8_latent".
+  const auto mla_formats = [] {
+    std::vector<std::string_view> found;
+    for (const KvFormat& f : kv_formats::all)
+      if (!f.gqa_only()) found.push_back(f.name());
+    std::string list;
+    for (std::size_t i = 0; i < found.size(); ++i)
+      list += (i == 0 ? "" : i + 1 == found.size() ? " or " : ", ") + std::string(found[i]);
+    return list;
+  };
+  if (model.is_mla() && latent_scale())
+    return detail::concat("the ", name_, " format quantizes the latent in blocks of ", latent_block_, " values: latent_dim=",
+                          model.mla().latent_dim, " of model '", model.name, "' is not a multiple of ", latent_block_);
+  if (model.is_mla())
+    return detail::concat("the ", name_, " format (",
+                          row_scale()     ? std::string("a scale per row of a KV head")
+                          : block_scale() ? detail::concat("a scale per block of ", block_, " values of a row of a KV head")
+                          : layer_scale_  ? std::string("a key and a value scale per layer")
+                                          : std::string("rotated rows of a KV head"),
+                          ") holds MHA/GQA/MQA caches only, and model '", model.name, "' is MLA; an MLA cache is ", mla_formats());
+  if (latent_scale())
+    return detail::concat("the ", name_, " format holds MLA rows (a latent and a rotary key per token) only, and model '", model.name,
+                          "' is ", to_string(model.design()), " (keys and values per KV head)");
+  const int d = model.gqa().head_dim;
+  if (block_scale() && (d % block_ != 0 || d > kMaxBlockScaledDim))
+    return detail::concat("the ", name_, " format quantizes blocks of ", block_, " values: head_dim=", d, " of model '",
+                          model.name, "' is not a multiple of ", block_, " up to ", kMaxBlockScaledDim);
+  return detail::concat("the ", name_, " format rotates rows of head_dim=", d, " (model '", model.name,
+                        "'): head_dim must be a power of two up to ", kMaxRotatedDim);
 }
 
 // ---------------------------------------------------------------------------------------------

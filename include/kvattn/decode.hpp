@@ -614,6 +614,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
 template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
 void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
             const P& policy = P{}, Isa = Isa{}) {
+  static_assert(format_traits<T>::latent_block == 0, "kvattn::decode: an MLA format's cache is read by mla_decode");
   const GqaShape& shape = plan.check_call<GqaShape>("decode", kv, policy, q, out, plan.policy_call());
   const int Q = plan.params().queries_per_seq, group = shape.group_size(), dim = shape.head_dim;
   const int rows = group * Q;  // query rows per (sequence, KV head)

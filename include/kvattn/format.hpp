@@ -14,6 +14,8 @@
 //               minimum (BlockScale, 4 bytes), kept in the page's scale block as a row scale is;
 //   layer_scale true when one key scale and one value scale serve a whole layer (the cache holds
 //               them: PagedKvCache's KvScales); the page then holds values only;
+//   latent_block  for the MLA formats, the latent values per scale (0 for the others, which hold
+//               GQA-family pages; fp32, fp16 and bf16 hold either);
 //   quantize_row(src, dst, n) -> scale (row_scale), quantize_row(src, dst, n, scale)
 //               (layer_scale), quantize_row(src, dst, n, scales) (block_scale), and
 //               dequantize: the way in and the way out.
@@ -65,6 +67,17 @@
 //                      alone and keys and values alike, README); on keys with outlier channels it
 //                      is worse (its grid has no zero: the small values of a block holding an
 //                      outlier all move together), and hadamard<q4_block> spreads the outliers.
+//   fp8_e4m3_latent    MLA rows: the latent in fp8 e4m3 in blocks of 128 values with one fp32
+//                      scale each, then the rotary key in bf16; a token's row in a page is
+//                        [latent_dim codes][latent_dim / 128 fp32 scales][rope_dim bf16]
+//                      (656 bytes at 512 + 64: FlashMLA's fp8 token layout), per block
+//                        s = max_i |x_i| / 448,  q_i = e4m3(x_i / s),  x_i ≈ q_i · s
+//                      (the scale is s itself, as FlashMLA's layout holds it). A block of zeros
+//                      has s = 0; a block holding a NaN or an infinity stores s = NaN and q = 0
+//                      (its values read as NaN); the rotary key is rounded to bf16 as a bf16
+//                      cache rounds it. latent_dim must be a multiple of 128.
+//   int8_latent        the same row with int8 latent codes: s = max_i |x_i| / 127,
+//                      q_i = round(x_i / s) in [-127, 127] (int8_row's rule, per block of 128).
 //   hadamard<F>        F (int8_row, fp8_e4m3_row or q4_block) of the row rotated by the orthonormal Walsh–Hadamard transform
 //                      H (H = Hᵀ = H⁻¹, head_dim a power of two, up to kMaxRotatedDim): keys and
 //                      values are stored as Q(H·x); decode and prefill rotate the query by the
@@ -119,6 +132,16 @@ struct q4_block {
   std::uint8_t bits = 0;
 };
 static_assert(sizeof(q4_block) == 1, "kvattn: q4_block must be one byte");
+
+/// MLA rows with an fp8 e4m3 latent in blocks of 128, each with an fp32 scale, and a bf16 rotary
+/// key (see the top of this file): one byte of a row.
+struct fp8_e4m3_latent : fp8_e4m3_row {};
+static_assert(sizeof(fp8_e4m3_latent) == 1, "kvattn: fp8_e4m3_latent must be one byte");
+
+/// MLA rows with an int8 latent in blocks of 128, each with an fp32 scale, and a bf16 rotary key
+/// (see the top of this file): one byte of a row.
+struct int8_latent : int8_row {};
+static_assert(sizeof(int8_latent) == 1, "kvattn: int8_latent must be one byte");
 
 /// One block's scale and minimum (q4_block): a value is q · d + m.
 struct BlockScale {
@@ -195,7 +218,7 @@ template <class T> struct plain_format_traits {
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr bool block_scale = false;
-  static constexpr int values_per_unit = 1, block = 0;
+  static constexpr int values_per_unit = 1, block = 0, latent_block = 0;
 };
 template <> struct format_traits<fp32> : plain_format_traits<fp32> {};
 template <> struct format_traits<fp16> : plain_format_traits<fp16> {};
@@ -231,7 +254,7 @@ template <> struct format_traits<int8_row> {
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr bool block_scale = false;
-  static constexpr int values_per_unit = 1, block = 0;
+  static constexpr int values_per_unit = 1, block = 0, latent_block = 0;
   static constexpr float kMax = 127.0f;
 
   /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale (0 for a row of zeros, NaN
@@ -253,7 +276,7 @@ template <> struct format_traits<fp8_e4m3_row> {
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr bool block_scale = false;
-  static constexpr int values_per_unit = 1, block = 0;
+  static constexpr int values_per_unit = 1, block = 0, latent_block = 0;
   static constexpr float kMax = 448.0f;
 
   /// src [n] (fp32, fp16 or bf16) -> dst [n]; returns the row's scale times 2^8 (0 for a row of
@@ -273,7 +296,7 @@ template <> struct format_traits<fp8_e4m3_layer> {
   static constexpr bool layer_scale = true;
   static constexpr bool rotated = false;
   static constexpr bool block_scale = false;
-  static constexpr int values_per_unit = 1, block = 0;
+  static constexpr int values_per_unit = 1, block = 0, latent_block = 0;
 
   /// Whether src [n] can be stored: every value finite (a byte cannot carry NaN or ±infinity to
   /// the kernels). Returns the index of the first value that is not, or n.
@@ -306,7 +329,7 @@ template <> struct format_traits<q4_block> {
   static constexpr bool layer_scale = false;
   static constexpr bool rotated = false;
   static constexpr bool block_scale = true;
-  static constexpr int values_per_unit = 2, block = 32;
+  static constexpr int values_per_unit = 2, block = 32, latent_block = 0;
   static constexpr float kLevels = 15.0f, kFp16Max = 65504.0f;
 
   /// src [n] (fp32, fp16 or bf16; n a multiple of 32) -> dst [n / 2] and scales [n / 32].
@@ -352,6 +375,45 @@ template <> struct format_traits<q4_block> {
   }
 };
 
+/// The MLA formats (see the top of this file): Code is the latent's value type as the kernels
+/// load it (int8_row's or fp8_e4m3_row's byte), Kmax its largest magnitude.
+template <class F, class Code> struct latent_format_traits {
+  using unit = F;
+  using code = Code;
+  static constexpr int bits = 8;
+  static constexpr bool row_scale = false;
+  static constexpr bool layer_scale = false;
+  static constexpr bool rotated = false;
+  static constexpr bool block_scale = false;
+  static constexpr int values_per_unit = 1, block = 0;
+  static constexpr int latent_block = 128;
+  /// Bytes of one token's row: codes, scales, rotary key.
+  static constexpr std::int64_t row_bytes(int latent_dim, int rope_dim) noexcept {
+    return std::int64_t{latent_dim} + std::int64_t{latent_dim} / latent_block * 4 + std::int64_t{rope_dim} * 2;
+  }
+  /// The row's latent codes [n] (n a multiple of 128) and scales [n / 128] from src [n] (fp32,
+  /// fp16 or bf16): format_traits<Code>'s quantization, per block.
+  template <class Src> static void quantize_latent(const Src* src, F* codes, float* scales, std::size_t n) noexcept {
+    for (std::size_t b = 0; b < n; b += latent_block) {
+      const float s = format_traits<Code>::quantize_row(src + b, static_cast<Code*>(codes + b), latent_block);
+      scales[b / latent_block] = s * (std::is_same_v<Code, fp8_e4m3_row> ? 1.0f / 256.0f : 1.0f);
+    }
+  }
+  /// Latent value `column` of a row whose scales are `scales`.
+  static float dequantize(const F* codes, std::size_t column, const float* scales) noexcept {
+    return to_float(static_cast<const Code&>(codes[column])) * kernel_scale(scales[column / latent_block]);
+  }
+  /// What a kernel multiplies the loaded codes (simd::Vec::load of Code: q, or q · 2^-8 for fp8) by.
+  static float kernel_scale(float s) noexcept { return std::is_same_v<Code, fp8_e4m3_row> ? s * 256.0f : s; }
+};
+
+template <> struct format_traits<fp8_e4m3_latent> : latent_format_traits<fp8_e4m3_latent, fp8_e4m3_row> {
+  static constexpr std::string_view name = "fp8_latent";
+};
+template <> struct format_traits<int8_latent> : latent_format_traits<int8_latent, int8_row> {
+  static constexpr std::string_view name = "int8_latent";
+};
+
 /// F's quantization of the row rotated by the Walsh–Hadamard transform (see the top of this file).
 template <class F> struct format_traits<hadamard<F>> {
   using unit = hadamard<F>;
@@ -362,6 +424,7 @@ template <class F> struct format_traits<hadamard<F>> {
   static constexpr bool rotated = true;
   static constexpr bool block_scale = format_traits<F>::block_scale;
   static constexpr int values_per_unit = format_traits<F>::values_per_unit, block = format_traits<F>::block;
+  static constexpr int latent_block = 0;
 
   /// src [n] -> H src / sqrt(n) -> F's quantization (its scales the same way: `scales...` is
   /// F's BlockScale array where F has block scales); n a power of two <= kMaxRotatedDim.
@@ -381,7 +444,8 @@ template <class F>
 inline constexpr bool is_kv_format_v = is_storage_type_v<F> || std::is_same_v<F, int8_row> || std::is_same_v<F, hadamard<int8_row>> ||
                                        std::is_same_v<F, fp8_e4m3_row> || std::is_same_v<F, hadamard<fp8_e4m3_row>> ||
                                        std::is_same_v<F, fp8_e4m3_layer> || std::is_same_v<F, q4_block> ||
-                                       std::is_same_v<F, hadamard<q4_block>>;
+                                       std::is_same_v<F, hadamard<q4_block>> || std::is_same_v<F, fp8_e4m3_latent> ||
+                                       std::is_same_v<F, int8_latent>;
 
 /// True for the formats whose values are int8 with a scale per row: int8_row, hadamard<int8_row>.
 template <class F>

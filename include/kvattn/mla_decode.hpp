@@ -16,8 +16,9 @@
 // Every head reads the same numbers, so the work is two small matrix products per tile of
 // tokens: scores S = Q̃ · Cᵀ (rows × tokens, inner width latent_dim + rope_dim) and then
 // O += P · C (rows × latent_dim, inner width the tile's tokens), with an online softmax between
-// them. On a CPU this is compute-bound: a tile is converted to fp32 once and then reused, from
-// the caches, by every head; the products run in register blocks (rows × tokens for scores,
+// them. On a CPU this is compute-bound: a tile is converted to fp32 once (for an MLA format,
+// format.hpp, each block of latent codes times its scale, and the bf16 rotary key) and then
+// reused, from the caches, by every head; the products run in register blocks (rows × tokens for scores,
 // rows × columns for values) that keep both FMA pipes busy. Long sequences are split into
 // chunks of keys merged through their log-sum-exp (state.hpp), as decode() does. A score policy
 // (policy.hpp) adds a variant, as for decode(); calls take the step's DecodePlan (core.hpp),
@@ -112,6 +113,23 @@ KVATTN_ALWAYS_INLINE void value_block(const float* c, int Kp, int n, const float
     KVATTN_UNROLL for (int j = 0; j < V; ++j) acc[r][j].store(o + r * o_stride + c0 + j * W);
 }
 
+/// An MLA format's row (format.hpp: latent codes, a scale per block of them, the rotary key in
+/// bf16) as fp32 [latent_dim + rope_dim]: each block's codes times its scale, then the rotary key.
+template <class Isa, class T>
+KVATTN_ALWAYS_INLINE void latent_row_to_float(const T* row, const PageLayout& l, float* dst) noexcept {
+  using Tr = format_traits<T>;
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes, B = Tr::latent_block;
+  static_assert(B % W == 0, "a latent block is whole vectors");
+  const auto* codes = static_cast<const typename Tr::code*>(row);
+  const float* scales = reinterpret_cast<const float*>(row + l.latent_dim);
+  for (int b = 0; b < l.latent_dim; b += B) {
+    const Vec s = Vec::set1(Tr::kernel_scale(scales[b / B]));
+    KVATTN_UNROLL for (int c = 0; c < B; c += W) (Vec::load(codes + b + c) * s).store(dst + b + c);
+  }
+  convert_row(Isa{}, reinterpret_cast<const bf16*>(row + l.rope_offset), dst + l.latent_dim, static_cast<std::size_t>(l.rope_dim));
+}
+
 /// One work item: every query row of the batch's sequence b against its key positions
 /// [begin, end), with the policy's window, logits and mask. Writes the normalized partial output
 /// and {m, d} of every row to `o` ([rows_p][o_stride]); `scratch` holds the item's queries, tile
@@ -146,7 +164,7 @@ void mla_item(const PagedKvView<T>& kv, const Dims& dims, int b, std::int64_t be
   const auto row_of = [&](std::int64_t t) {
     return kv.page(pages[t / page_size]) + kv.layout.latent(static_cast<int>(t % page_size));
   };
-  const int row_bytes = K * static_cast<int>(sizeof(T));
+  const auto row_bytes = static_cast<int>(kv.layout.row_stride * static_cast<std::int64_t>(sizeof(T)));
 
   for (std::int64_t t0 = begin; t0 < end; t0 += kMlaTile) {
     const int n = static_cast<int>(std::min<std::int64_t>(kMlaTile, end - t0));
@@ -154,7 +172,10 @@ void mla_item(const PagedKvView<T>& kv, const Dims& dims, int b, std::int64_t be
     // The tile in fp32, rows Kp apart, zero padded; the next tile's rows prefetched meanwhile.
     for (int t = 0; t < n; ++t) {
       float* dst = tile + std::int64_t{t} * Kp;
-      convert_row(Isa{}, row_of(t0 + t), dst, static_cast<std::size_t>(K));
+      if constexpr (format_traits<T>::latent_block > 0)
+        latent_row_to_float<Isa>(row_of(t0 + t), kv.layout, dst);
+      else
+        convert_row(Isa{}, row_of(t0 + t), dst, static_cast<std::size_t>(K));
       std::fill(dst + K, dst + Kp, 0.0f);
       if (t0 + kMlaTile + t < end) {
         const char* next = reinterpret_cast<const char*>(row_of(t0 + kMlaTile + t));
@@ -248,7 +269,7 @@ template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::nativ
 void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
                 const P& policy = P{}, Isa = Isa{}) {
   static_assert(!format_traits<T>::row_scale && !format_traits<T>::layer_scale && !format_traits<T>::block_scale,
-                "kvattn::mla_decode: MLA caches are fp32, fp16 or bf16");
+                "kvattn::mla_decode: MLA caches are fp32, fp16, bf16, fp8_e4m3_latent or int8_latent");
   mla_impl::run("mla_decode", kv, q, out, lse, plan, pf, policy, plan.scale(), Isa{});
 }
 

@@ -15,7 +15,9 @@
 //               then, for formats with scales in the page, the scale block
 //               [2 (K, V)][kv_heads][page_size][scale_slots] of 4 bytes (one fp32 per row,
 //               or q4_block's BlockScale per block of 32 values)
-//   MLA         [page_size][row_stride]            a row holds [latent_dim | rope_dim]
+//   MLA         [page_size][row_stride]            a row holds [latent_dim | rope_dim], or for the
+//               MLA formats (fp8_e4m3_latent, int8_latent) [latent_dim codes | latent_dim / 128
+//               fp32 scales | rope_dim bf16] bytes
 // Why: a decode kernel works on one (sequence, KV head) at a time and streams that head's keys,
 // then its values, page after page; with one KV head's tokens contiguous each page gives it two
 // unbroken runs of page_size · head_dim elements, and each head block starts on a cache line
@@ -102,6 +104,8 @@ struct PageLayout {
   std::int64_t head_stride = 0;    ///< GQA: units from one head block to the next
   int latent_dim = 0, rope_dim = 0;  ///< MLA
   std::int64_t row_stride = 0;       ///< MLA: units from one token's row to the next
+  std::int64_t rope_offset = 0;      ///< MLA: units from a row's start to its rotary key
+  int latent_block = 0;              ///< MLA formats: latent values per fp32 scale (after the latent); 0: none
   /// GQA formats with scales in the page (a scale per row, or per block of a row): units from
   /// the page's start to its scale block, [2 (K, V)][kv_heads][page_size][scale_slots] 4-byte
   /// slots on a cache line (key_scale, value_scale); 0: none.
@@ -142,8 +146,20 @@ struct PageLayout {
       l.latent_dim = m.latent_dim;
       l.rope_dim = m.rope_dim;
       l.row_stride = m.latent_dim + m.rope_dim;
+      l.rope_offset = m.latent_dim;
       l.page_stride = pad(std::int64_t{page_size} * l.row_stride);
     }
+    return l;
+  }
+  /// An MLA layout whose rows are an MLA format's (format.hpp: latent codes, a fp32 scale per
+  /// `latent_block` of them, the rotary key in bf16), in bytes.
+  static PageLayout make_latent(const MlaShape& m, int page_size, int latent_block) {
+    PageLayout l = make(m, page_size, 1);
+    l.latent_block = latent_block;
+    l.rope_offset = std::int64_t{m.latent_dim} + std::int64_t{m.latent_dim} / latent_block * 4;
+    l.row_stride = l.rope_offset + std::int64_t{m.rope_dim} * 2;
+    const auto line = static_cast<std::int64_t>(kAlignment);
+    l.page_stride = (page_size * l.row_stride + line - 1) / line * line;
     return l;
   }
   /// The layout a PagedKvCache<F> uses (format_traits<F>: its unit, values per unit, scales).
@@ -152,6 +168,8 @@ struct PageLayout {
     int slots = Tr::row_scale ? 1 : 0;
     if constexpr (Tr::block_scale)
       if (const auto* g = std::get_if<GqaShape>(&shape)) slots = g->head_dim / Tr::block;
+    if constexpr (Tr::latent_block > 0)
+      if (const auto* m = std::get_if<MlaShape>(&shape)) return make_latent(*m, page_size, Tr::latent_block);
     return make(shape, page_size, sizeof(typename Tr::unit), slots, Tr::values_per_unit);
   }
 
@@ -160,9 +178,12 @@ struct PageLayout {
   constexpr std::int64_t value(int head, int token) const noexcept {
     return (kv_heads + head) * head_stride + std::int64_t{token} * row_units;
   }
-  /// MLA: first element of token `token`'s latent [latent_dim] and rotary key [rope_dim].
+  /// MLA: first unit of token `token`'s latent [latent_dim] and rotary key [rope_dim] (for the
+  /// MLA formats, bytes: the codes, and the rotary key's bf16 elements).
   constexpr std::int64_t latent(int token) const noexcept { return std::int64_t{token} * row_stride; }
-  constexpr std::int64_t rope(int token) const noexcept { return std::int64_t{token} * row_stride + latent_dim; }
+  constexpr std::int64_t rope(int token) const noexcept { return std::int64_t{token} * row_stride + rope_offset; }
+  /// MLA formats: first byte of token `token`'s latent scales [latent_dim / latent_block] fp32.
+  constexpr std::int64_t latent_scales(int token) const noexcept { return std::int64_t{token} * row_stride + latent_dim; }
   /// GQA, formats with scales in the page: index, in the scale block's 4-byte slots, of the first
   /// scale of token `token`'s key (value) row for KV head `head` (its scale_slots follow).
   /// Tokens of one head are consecutive.
@@ -179,7 +200,7 @@ struct PageLayout {
   /// Bytes one token holds in one layer, its scales included, padding excluded.
   constexpr std::int64_t token_bytes() const noexcept {
     return content == PageContent::gqa ? 2 * std::int64_t{kv_heads} * (std::int64_t{row_units} * unit_bytes + std::int64_t{scale_slots} * 4)
-                                       : token_elements() * unit_bytes;
+                                       : row_stride * unit_bytes;
   }
 };
 
@@ -263,7 +284,7 @@ struct CacheStats {
 };
 
 template <class T, class M = HostMemory> class PagedKvCache {
-  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, q4_block, or hadamard<> of int8_row, fp8_e4m3_row or q4_block (format.hpp)");
+  static_assert(is_kv_format_v<T>, "kvattn::PagedKvCache: T must be a KV format: fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, q4_block, hadamard<> of int8_row, fp8_e4m3_row or q4_block, fp8_e4m3_latent or int8_latent (format.hpp)");
 
  public:
   using element_type = T;  ///< the format: format_traits<T>
@@ -274,6 +295,8 @@ template <class T, class M = HostMemory> class PagedKvCache {
   static constexpr bool kLayerScale = format_traits<T>::layer_scale;
   /// Whether each block of a row carries a scale and a minimum (format.hpp): in the scale block.
   static constexpr bool kBlockScale = format_traits<T>::block_scale;
+  /// Whether T is an MLA format (format.hpp): rows of latent codes, their scales and a bf16 rotary key.
+  static constexpr bool kLatentScale = format_traits<T>::latent_block > 0;
 
   /// A cache of `config`'s size. `layer_scales`: for a format with one scale per layer
   /// (fp8_e4m3_layer), each layer's key and value scales [config.layers] (empty: 1 for every
@@ -282,7 +305,18 @@ template <class T, class M = HostMemory> class PagedKvCache {
     if (std::string why = config.check(); !why.empty()) raise<shape_error>("PagedKvCache: " + why);
     if ((kRowScale || kLayerScale || kBlockScale) && !std::holds_alternative<GqaShape>(config.shape))
       raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name,
-                                             " format holds GQA-family pages (keys and values per KV head); an MLA cache is fp32, fp16 or bf16"));
+                                             " format holds GQA-family pages (keys and values per KV head); an MLA cache is fp32, fp16, bf16, fp8_e4m3_latent or int8_latent"));
+    if constexpr (kLatentScale) {
+      const MlaShape* m = std::get_if<MlaShape>(&config.shape);
+      if (m == nullptr)
+        raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name,
+                                               " format holds MLA rows (a latent and a rotary key per token); a GQA-family cache is fp32, "
+                                               "fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, q4_block or hadamard<> of one"));
+      if (m->latent_dim % format_traits<T>::latent_block != 0)
+        raise<invalid_argument>(detail::concat("PagedKvCache: the ", format_traits<T>::name, " format quantizes the latent in blocks of ",
+                                               format_traits<T>::latent_block, " values: latent_dim=", m->latent_dim,
+                                               " must be a multiple of ", format_traits<T>::latent_block));
+    }
     if constexpr (kLayerScale) {
       if (layer_scales.empty()) layer_scales.assign(static_cast<std::size_t>(config.layers), KvScales{});
       if (layer_scales.size() != static_cast<std::size_t>(config.layers))
@@ -498,6 +532,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   template <class Src, class Target = this_target>
   void write(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* k, const Src* v) {
     static_assert(is_storage_type_v<Src>, "kvattn::PagedKvCache::write: k and v are fp32, fp16 or bf16");
+    static_assert(!kLatentScale, "kvattn::PagedKvCache::write: an MLA format's cache is written with write_latent");
     if constexpr (kLayerScale) check_finite(seq, layer, first, count, k, v);
     prepare_write(seq, layer, first, count, PageContent::gqa, "write");
     const Sequence& s = seqs_.at(seq);
@@ -532,17 +567,27 @@ template <class T, class M = HostMemory> class PagedKvCache {
   }
 
   /// MLA: writes latents [count][latent_dim] and rotary keys [count][rope_dim] of tokens
-  /// [first, first + count) of `seq` in `layer`. Copy-on-write as write().
+  /// [first, first + count) of `seq` in `layer`, of fp32, fp16 or bf16 (converted to T; an MLA
+  /// format quantizes each latent block of 128 with its scale and rounds the rotary key to bf16:
+  /// format.hpp). Copy-on-write as write().
   template <class Src, class Target = this_target>
   void write_latent(SeqId seq, int layer, std::int64_t first, std::int64_t count, const Src* latent, const Src* rope) {
-    static_assert(!kRowScale && !kLayerScale && !kBlockScale, "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(is_storage_type_v<Src>, "kvattn::PagedKvCache::write_latent: latent and rope are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale && !kBlockScale,
+                  "kvattn::PagedKvCache::write_latent: MLA caches are fp32, fp16, bf16, fp8_e4m3_latent or int8_latent");
     prepare_write(seq, layer, first, count, PageContent::mla, "write_latent");
     const Sequence& s = seqs_.at(seq);
+    const auto dc = static_cast<std::size_t>(layout_.latent_dim), dr = static_cast<std::size_t>(layout_.rope_dim);
     for (std::int64_t i = 0; i < count; ++i) {
       T* page = page_data(layer, s, first + i);
       const int t = static_cast<int>((first + i) % config_.page_size);
-      convert_row(typename Target::isa{}, latent + i * layout_.latent_dim, page + layout_.latent(t), static_cast<std::size_t>(layout_.latent_dim));
-      convert_row(typename Target::isa{}, rope + i * layout_.rope_dim, page + layout_.rope(t), static_cast<std::size_t>(layout_.rope_dim));
+      if constexpr (kLatentScale) {
+        format_traits<T>::quantize_latent(latent + i * layout_.latent_dim, page + layout_.latent(t), latent_scales(page, t), dc);
+        convert_row(typename Target::isa{}, rope + i * layout_.rope_dim, latent_rope(page, t), dr);
+      } else {
+        convert_row(typename Target::isa{}, latent + i * layout_.latent_dim, page + layout_.latent(t), dc);
+        convert_row(typename Target::isa{}, rope + i * layout_.rope_dim, page + layout_.rope(t), dr);
+      }
     }
   }
   template <class Src, class Target = this_target>
@@ -555,6 +600,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
   template <class Dst, class Target = this_target>
   void read(SeqId seq, int layer, std::int64_t position, Dst* k, Dst* v) const {
     static_assert(is_storage_type_v<Dst>, "kvattn::PagedKvCache::read: k and v are fp32, fp16 or bf16");
+    static_assert(!kLatentScale, "kvattn::PagedKvCache::read: an MLA format's cache is read with read_latent");
     const T* page = token_page(seq, layer, position, PageContent::gqa, "read");
     const int t = static_cast<int>(position % config_.page_size);
     const std::size_t d = static_cast<std::size_t>(layout_.head_dim);
@@ -608,14 +654,24 @@ template <class T, class M = HostMemory> class PagedKvCache {
     }
   }
 
-  /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`.
+  /// MLA: token `position`'s latent [latent_dim] and rotary key [rope_dim] in `layer`
+  /// (dequantized: the values the kernels compute with).
   template <class Dst, class Target = this_target>
   void read_latent(SeqId seq, int layer, std::int64_t position, Dst* latent, Dst* rope) const {
-    static_assert(!kRowScale && !kLayerScale && !kBlockScale, "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16 or bf16");
+    static_assert(is_storage_type_v<Dst>, "kvattn::PagedKvCache::read_latent: latent and rope are fp32, fp16 or bf16");
+    static_assert(!kRowScale && !kLayerScale && !kBlockScale,
+                  "kvattn::PagedKvCache::read_latent: MLA caches are fp32, fp16, bf16, fp8_e4m3_latent or int8_latent");
     const T* page = token_page(seq, layer, position, PageContent::mla, "read_latent");
     const int t = static_cast<int>(position % config_.page_size);
-    convert_row(typename Target::isa{}, page + layout_.latent(t), latent, static_cast<std::size_t>(layout_.latent_dim));
-    convert_row(typename Target::isa{}, page + layout_.rope(t), rope, static_cast<std::size_t>(layout_.rope_dim));
+    const auto dc = static_cast<std::size_t>(layout_.latent_dim), dr = static_cast<std::size_t>(layout_.rope_dim);
+    if constexpr (kLatentScale) {
+      const float* scales = latent_scales(page, t);
+      for (std::size_t c = 0; c < dc; ++c) latent[c] = from_float<Dst>(format_traits<T>::dequantize(page + layout_.latent(t), c, scales));
+      convert_row(typename Target::isa{}, latent_rope(page, t), rope, dr);
+    } else {
+      convert_row(typename Target::isa{}, page + layout_.latent(t), latent, dc);
+      convert_row(typename Target::isa{}, page + layout_.rope(t), rope, dr);
+    }
   }
 
   // ---- what kernels read ---------------------------------------------------------------------
@@ -748,7 +804,7 @@ template <class T, class M = HostMemory> class PagedKvCache {
       width = I{g->head_dim} + (kRowScale || kBlockScale ? I{4} : I{0});
     } else {
       const MlaShape& m = std::get<MlaShape>(c.shape);
-      width = I{m.latent_dim} + m.rope_dim;
+      width = (kLatentScale ? I{2} : I{1}) * (I{m.latent_dim} + m.rope_dim);  // (codes, scales and bf16: at most 2 bytes a value)
     }
     I block = 0, stride = 0, layer = 0, pool = 0, bytes = 0;
     const bool ok = mul(c.page_size, width, block) && block <= std::numeric_limits<I>::max() - line &&
@@ -891,6 +947,11 @@ template <class T, class M = HostMemory> class PagedKvCache {
   /// A page's scale block of a format with block scales: [2][kv_heads][page_size][scale_slots].
   BlockScale* block_scales(T* page) const noexcept { return reinterpret_cast<BlockScale*>(page + layout_.scale_offset); }
   const BlockScale* block_scales(const T* page) const noexcept { return reinterpret_cast<const BlockScale*>(page + layout_.scale_offset); }
+  /// MLA formats: the scales of token slot t's latent [latent_dim / latent_block], and its bf16 rotary key.
+  float* latent_scales(T* page, int t) const noexcept { return reinterpret_cast<float*>(page + layout_.latent_scales(t)); }
+  const float* latent_scales(const T* page, int t) const noexcept { return reinterpret_cast<const float*>(page + layout_.latent_scales(t)); }
+  bf16* latent_rope(T* page, int t) const noexcept { return reinterpret_cast<bf16*>(page + layout_.rope(t)); }
+  const bf16* latent_rope(const T* page, int t) const noexcept { return reinterpret_cast<const bf16*>(page + layout_.rope(t)); }
 
   T* page_data(int layer, const Sequence& s, std::int64_t position) noexcept {
     return layer_data(layer) + std::int64_t{s.pages[static_cast<std::size_t>(position / config_.page_size)]} * layout_.page_stride;

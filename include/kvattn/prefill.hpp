@@ -527,6 +527,7 @@ void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t fir
 template <class T, class M, class PF = SerialFor, class P = Plain, class Isa = isa::native>
 void prefill(PagedKvCache<T, M>& cache, int layer, const float* q, const float* k, const float* v, float* out, float* lse,
              PrefillPlan& plan, PF&& pf = PF{}, const P& policy = P{}, Isa = Isa{}) {
+  static_assert(format_traits<T>::latent_block == 0, "kvattn::prefill: an MLA format's cache is filled by mla_prefill");
   plan.check("prefill", cache, layer);
   check_policy("prefill", policy, plan.policy_call());
   const ChunkBatch& batch = plan.batch();
