@@ -494,6 +494,47 @@ TYPED_TEST(MlaLayer, CachedLatentsAndRotaryKeysAreTheRoundedProjections) {
   }
 }
 
+TYPED_TEST(MlaLayer, LatentFormatsQuantizeWhatTheLayerWrites) {
+  using Isa = typename TypeParam::type;
+  // mla_append and mla_prefill into a cache of an MLA format (format.hpp) store the latent each
+  // computes (after RoPE, for the rotary key) quantized by the format's definition: exactly what
+  // an fp32 cache holds, quantized per block of 128, and its rotary key rounded to bf16. Then the
+  // whole layer over such a cache against the reference on its rows.
+  const MlaShape shape{5, 256, 8, 24, 16, 32};
+  const RandomLayer l(shape, 33, RopeStyle::neox, 9);
+  const kvattn::MlaWeights w = l.weights();
+  const std::int64_t T = 20;
+  const auto h = uniform(std::size_t(T) * 33, 7);
+  const auto fill = [&](auto& cache) {  // tokens [0, 12) by mla_prefill, the rest by mla_append
+    const SeqId seq = cache.add_sequence();
+    prefill_in_chunks<Isa>(w, cache, seq, 0, h, {12});
+    cache.append(seq, T - 12);
+    kvattn::MlaWorkspace ws;
+    kvattn::mla_append<Isa>(w, cache, seq, 0, 12, T - 12, h.data() + 12 * 33, ws);
+    return seq;
+  };
+  PagedKvCache<float> exact(kvattn::CacheConfig{1, 7, 4, shape});
+  PagedKvCache<kvattn::fp8_e4m3_latent> fp8(kvattn::CacheConfig{1, 7, 4, shape});
+  PagedKvCache<kvattn::int8_latent> int8(kvattn::CacheConfig{1, 7, 4, shape});
+  const SeqId e = fill(exact), f = fill(fp8), i = fill(int8);
+  const auto expect_quantized = [&](const auto& cache, SeqId seq, auto format) {
+    using Tr = kvattn::format_traits<decltype(format)>;
+    std::vector<float> lat(256), kr(8), got(256), got_kr(8), scales(2);
+    std::vector<decltype(format)> codes(256);
+    for (std::int64_t t = 0; t < T; ++t) {
+      exact.read_latent(e, 0, t, lat.data(), kr.data());
+      cache.read_latent(seq, 0, t, got.data(), got_kr.data());
+      Tr::quantize_latent(lat.data(), codes.data(), scales.data(), 256);
+      for (std::size_t c = 0; c < 256; ++c) ASSERT_EQ(got[c], Tr::dequantize(codes.data(), c, scales.data())) << t << " " << c;
+      for (std::size_t c = 0; c < 8; ++c) ASSERT_EQ(got_kr[c], static_cast<float>(bf16(kr[c]))) << t << " " << c;
+    }
+  };
+  expect_quantized(fp8, f, kvattn::fp8_e4m3_latent{});
+  expect_quantized(int8, i, kvattn::int8_latent{});
+  check_layer<Isa, kvattn::fp8_e4m3_latent>({shape, 33, 7, 40, RopeStyle::neox});
+  check_layer<Isa, kvattn::int8_latent>({MlaShape{3, 128, 6, 16, 12, 0}, 20, 16, 35});
+}
+
 TEST(MlaLayerArguments, ErrorsNameTheValuesAndLeaveTheCacheUnchanged) {
   const RandomLayer l(kOdd, 24, RopeStyle::gptj, 9);
   const kvattn::MlaWeights w = l.weights();
