@@ -376,7 +376,7 @@ template <> struct format_traits<q4_block> {
 };
 
 /// The MLA formats (see the top of this file): Code is the latent's value type as the kernels
-/// load it (int8_row's or fp8_e4m3_row's byte), Kmax its largest magnitude.
+/// load it (int8_row's or fp8_e4m3_row's byte), quantized by format_traits<Code>'s rule per block.
 template <class F, class Code> struct latent_format_traits {
   using unit = F;
   using code = Code;

@@ -120,10 +120,7 @@ struct PageLayout {
   /// of that many 4-byte slots per row.
   static PageLayout make(const AttentionShape& shape, int page_size, std::size_t unit_bytes, int scale_slots = 0,
                          int values_per_unit = 1) {
-    const auto pad = [&](std::int64_t units) {  // round up to whole cache lines
-      const auto per_line = static_cast<std::int64_t>(kAlignment / unit_bytes);
-      return (units + per_line - 1) / per_line * per_line;
-    };
+    const auto pad = [&](std::int64_t units) { return whole_lines(units, unit_bytes); };
     PageLayout l;
     l.page_size = page_size;
     l.unit_bytes = static_cast<int>(unit_bytes);
@@ -151,16 +148,10 @@ struct PageLayout {
     }
     return l;
   }
-  /// An MLA layout whose rows are an MLA format's (format.hpp: latent codes, a fp32 scale per
-  /// `latent_block` of them, the rotary key in bf16), in bytes.
-  static PageLayout make_latent(const MlaShape& m, int page_size, int latent_block) {
-    PageLayout l = make(m, page_size, 1);
-    l.latent_block = latent_block;
-    l.rope_offset = std::int64_t{m.latent_dim} + std::int64_t{m.latent_dim} / latent_block * 4;
-    l.row_stride = l.rope_offset + std::int64_t{m.rope_dim} * 2;
-    const auto line = static_cast<std::int64_t>(kAlignment);
-    l.page_stride = (page_size * l.row_stride + line - 1) / line * line;
-    return l;
+  /// `units` of `unit_bytes` each rounded up to whole cache lines.
+  static constexpr std::int64_t whole_lines(std::int64_t units, std::size_t unit_bytes) noexcept {
+    const auto per_line = static_cast<std::int64_t>(kAlignment / unit_bytes);
+    return (units + per_line - 1) / per_line * per_line;
   }
   /// The layout a PagedKvCache<F> uses (format_traits<F>: its unit, values per unit, scales).
   template <class F> static PageLayout of(const AttentionShape& shape, int page_size) {
@@ -168,9 +159,16 @@ struct PageLayout {
     int slots = Tr::row_scale ? 1 : 0;
     if constexpr (Tr::block_scale)
       if (const auto* g = std::get_if<GqaShape>(&shape)) slots = g->head_dim / Tr::block;
-    if constexpr (Tr::latent_block > 0)
-      if (const auto* m = std::get_if<MlaShape>(&shape)) return make_latent(*m, page_size, Tr::latent_block);
-    return make(shape, page_size, sizeof(typename Tr::unit), slots, Tr::values_per_unit);
+    PageLayout l = make(shape, page_size, sizeof(typename Tr::unit), slots, Tr::values_per_unit);
+    if constexpr (Tr::latent_block > 0) {  // an MLA format's rows (format.hpp), in bytes
+      if (const auto* m = std::get_if<MlaShape>(&shape)) {
+        l.latent_block = Tr::latent_block;
+        l.rope_offset = Tr::row_bytes(m->latent_dim, 0);
+        l.row_stride = Tr::row_bytes(m->latent_dim, m->rope_dim);
+        l.page_stride = whole_lines(page_size * l.row_stride, 1);
+      }
+    }
+    return l;
   }
 
   /// GQA: first unit of token `token`'s key (value) row for KV head `head`: [row_units].
