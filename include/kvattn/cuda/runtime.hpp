@@ -271,18 +271,42 @@ class StagedUpload {
 };
 
 namespace impl {
-/// The device's view of a storage type: fp32 as float, fp16 as __half, bf16 as __nv_bfloat16 (the
-/// same 16 bits as kvattn::fp16 and kvattn::bf16).
+/// An 8-bit format's code as the kernels read it (one byte of the page): an int8 code, whose
+/// value is q, and an fp8 e4m3 code, whose value is q · 2^-8 as on the host (format.hpp: the
+/// byte's exponent and mantissa placed in an fp16's, one conversion), so that the page's scales
+/// apply as they are.
+struct Int8Code {
+  std::int8_t q;
+};
+struct E4m3Code {
+  std::uint8_t bits;
+};
+
+/// The device's view of a format's unit: fp32 as float, fp16 as __half, bf16 as __nv_bfloat16 (the
+/// same 16 bits as kvattn::fp16 and kvattn::bf16), the 8-bit formats' bytes as Int8Code and
+/// E4m3Code (their scales are read beside them: format_traits<T>).
 template <class T> struct device_type {
-  static_assert(std::is_same_v<T, fp32>, "kvattn::cuda: the CUDA kernels read fp32, fp16 and bf16 caches");
+  static_assert(std::is_same_v<T, fp32>,
+                "kvattn::cuda: the CUDA kernels read fp32, fp16, bf16, int8_row, fp8_e4m3_row, fp8_e4m3_layer, fp8_e4m3_latent and "
+                "int8_latent caches (the 4-bit and the rotated formats are CPU formats)");
   using type = float;
 };
 template <> struct device_type<fp16> { using type = __half; };
 template <> struct device_type<bf16> { using type = __nv_bfloat16; };
+template <> struct device_type<int8_row> { using type = Int8Code; };
+template <> struct device_type<int8_latent> { using type = Int8Code; };
+template <> struct device_type<fp8_e4m3_row> { using type = E4m3Code; };
+template <> struct device_type<fp8_e4m3_layer> { using type = E4m3Code; };
+template <> struct device_type<fp8_e4m3_latent> { using type = E4m3Code; };
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(Int8Code x) { return static_cast<float>(x.q); }
+__device__ __forceinline__ float to_float(E4m3Code x) {
+  const unsigned b = x.bits;
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7))));
+}
 template <class E> __device__ __forceinline__ E from_float(float x);
 template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
