@@ -8,7 +8,9 @@
 //   decode/cuda/gqa32x8/<dtype>/ctx:C/batch:B
 //                                   kvattn::cuda::decode, 32 query heads, 8 KV heads, head size
 //                                   128, one query per sequence, pages of 16; bytes_per_second =
-//                                   B · C · 8 · 128 · 2 (K and V) · 2 bytes per step
+//                                   B · C · 8 · 128 · 2 (K and V) · 2 bytes per step (dtype fp16 or
+//                                   bf16; int8 and fp8: int8_row and fp8_e4m3_row, one byte per
+//                                   value and 4 bytes of scale per row: B · C · 8 · 2 · (128 + 4))
 //   mla/cuda/folded/ctx:C/batch:B   kvattn::cuda::mla_decode, DeepSeek-V2's heads (128, latent 512
 //                                   + rotary 64), bf16 latents; flops = B · 128 · C · 2 · (576 + 512)
 // C in {4K, 16K, 64K} (MLA: 1K, 4K, 16K), B in {1, 64}; every configuration whose cache fits in
@@ -49,6 +51,37 @@ template <class E> void fill(E* p, std::int64_t n, std::uint32_t seed) {
   check(cudaGetLastError(), "fill");
 }
 
+/// An 8-bit format's pages: codes from a hash of the index (every byte of the layer), then every
+/// page's scale block set to 1/64.
+__global__ void fill_codes_kernel(std::uint8_t* p, std::int64_t n, std::uint32_t seed) {
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < n; i += std::int64_t{gridDim.x} * blockDim.x) {
+    std::uint32_t x = static_cast<std::uint32_t>(i) * 2654435761u ^ seed;
+    x ^= x >> 15;
+    x *= 2246822519u;
+    p[i] = static_cast<std::uint8_t>((x >> 8) & 0x77u);  // int8 in [0, 119], fp8 below 2^7 · 2^-8 (no NaN code)
+  }
+}
+__global__ void fill_scales_kernel(std::uint8_t* p, const kvattn::PageLayout l, std::int64_t pages) {
+  const std::int64_t per_page = 2 * std::int64_t{l.kv_heads} * l.page_size * l.scale_slots;
+  for (std::int64_t i = blockIdx.x * std::int64_t{blockDim.x} + threadIdx.x; i < pages * per_page;
+       i += std::int64_t{gridDim.x} * blockDim.x)
+    reinterpret_cast<float*>(p + i / per_page * l.page_stride + l.scale_offset)[i % per_page] = 1.0f / 64;
+}
+
+/// One layer of a cache of format T filled for the benchmark: values in [-1, 1) (16-bit formats)
+/// or codes and scales (8-bit formats).
+template <class T, class M> void fill_layer(kvattn::PagedKvCache<T, M>& cache, std::uint32_t seed) {
+  if constexpr (kvattn::format_traits<T>::row_scale) {
+    auto* p = reinterpret_cast<std::uint8_t*>(cache.layer_data(0));
+    fill_codes_kernel<<<1024, 256>>>(p, cache.layer_stride(), seed);
+    fill_scales_kernel<<<1024, 256>>>(p, cache.layout(), cache.config().num_pages);
+    check(cudaGetLastError(), "fill");
+  } else {
+    using E = typename kvattn::cuda::impl::device_type<T>::type;
+    fill(reinterpret_cast<E*>(cache.layer_data(0)), cache.layer_stride(), seed);
+  }
+}
+
 std::size_t free_memory() {
   std::size_t free = 0, total = 0;
   check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
@@ -87,7 +120,7 @@ template <class T> void bm_decode(benchmark::State& state) {
   const auto shape = kvattn::GqaShape::gqa(32, 8, 128);
   const std::int64_t pages = batch * ((ctx + kPage - 1) / kPage);
   const kvattn::CacheConfig config{1, kPage, pages, shape};
-  const std::int64_t kv_bytes = batch * ctx * shape.kv_heads * shape.head_dim * 2 * static_cast<std::int64_t>(sizeof(T));
+  const std::int64_t kv_bytes = batch * ctx * kvattn::PageLayout::of<T>(shape, kPage).token_bytes();  // scales included
   if (static_cast<std::size_t>(kv_bytes) > free_memory() / 4) {
     state.SkipWithError("the cache would take more than a quarter of the free device memory");
     return;
@@ -98,8 +131,7 @@ template <class T> void bm_decode(benchmark::State& state) {
     seqs.push_back(cache.add_sequence());
     cache.append(seqs.back(), ctx);
   }
-  using E = typename kvattn::cuda::impl::device_type<T>::type;
-  fill(reinterpret_cast<E*>(cache.layer_data(0)), cache.layer_stride(), 1);
+  fill_layer(cache, 1);
   const std::size_t n = static_cast<std::size_t>(batch) * shape.q_heads * shape.head_dim;
   DeviceBuffer<float> q(n), out(n), lse(static_cast<std::size_t>(batch) * shape.q_heads);
   fill(q.data(), static_cast<std::int64_t>(n), 2);
@@ -149,6 +181,10 @@ int main(int argc, char** argv) {
       benchmark::RegisterBenchmark("decode/cuda/gqa32x8/fp16", bm_decode<kvattn::fp16>)
           ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
       benchmark::RegisterBenchmark("decode/cuda/gqa32x8/bf16", bm_decode<kvattn::bf16>)
+          ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("decode/cuda/gqa32x8/int8", bm_decode<kvattn::int8_row>)
+          ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
+      benchmark::RegisterBenchmark("decode/cuda/gqa32x8/fp8", bm_decode<kvattn::fp8_e4m3_row>)
           ->ArgNames({"ctx", "batch"})->Args({ctx, batch})->UseManualTime()->Unit(benchmark::kMicrosecond);
     }
   for (std::int64_t ctx : {1024, 4096, 16384})

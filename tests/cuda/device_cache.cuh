@@ -30,12 +30,14 @@ template <class T> kvattn::cuda::DeviceBuffer<T> to_device(const std::vector<T>&
 /// A PagedKvCache<T, cuda::DeviceMemory> holding what `host` holds for `host_seqs`: the same
 /// sequences made in the same order in a cache of the same configuration (so the same pages: the
 /// test inputs make each sequence of a fresh cache in turn, which the constructor checks), and
-/// the whole pool copied byte for byte. seqs[b] is host_seqs[b]'s id in the device cache.
+/// the whole pool copied byte for byte (scale blocks included; a format's layer scales given to
+/// the device cache as the host cache holds them). seqs[b] is host_seqs[b]'s id in the device cache.
 template <class T> struct DeviceCacheCopy {
   kvattn::PagedKvCache<T, kvattn::cuda::DeviceMemory> cache;
   std::vector<kvattn::SeqId> seqs;
 
-  DeviceCacheCopy(const kvattn::PagedKvCache<T>& host, const std::vector<kvattn::SeqId>& host_seqs) : cache(host.config()) {
+  DeviceCacheCopy(const kvattn::PagedKvCache<T>& host, const std::vector<kvattn::SeqId>& host_seqs)
+      : cache(host.config(), layer_scales(host)) {
     for (kvattn::SeqId s : host_seqs) {
       const kvattn::SeqId d = cache.add_sequence();
       seqs.push_back(d);
@@ -48,6 +50,14 @@ template <class T> struct DeviceCacheCopy {
                         "cudaMemcpy (cache pool)");
   }
   kvattn::BatchPageTable page_table() const { return cache.page_table(seqs); }
+
+ private:
+  static std::vector<kvattn::KvScales> layer_scales(const kvattn::PagedKvCache<T>& host) {  // (formats with one per layer)
+    std::vector<kvattn::KvScales> s;
+    if constexpr (kvattn::PagedKvCache<T>::kLayerScale)
+      for (int l = 0; l < host.config().layers; ++l) s.push_back(host.scales(l));
+    return s;
+  }
 };
 
 }  // namespace cuda_tests

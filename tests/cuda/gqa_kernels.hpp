@@ -52,6 +52,10 @@ std::string plan_error(const kvattn::GqaShape& cache_shape, const kvattn::GqaSha
 /// and one sequence of `rows` query rows ("" if it would copy): the host check, before any device call.
 template <class P> std::string upload_error(const P& policy, int q_heads, std::int64_t rows);
 
+/// The message of what cuda::DecodePlan::make throws for an empty batch of an int8_row host cache
+/// of `shape` with DecodeParams::int8_queries ("" if nothing): no device needed.
+std::string int8_queries_error(const kvattn::GqaShape& shape);
+
 /// The view checks of cuda::DecodePlan (needs a GPU): the messages of DecodePlan::view for another
 /// cache, for the plan's cache once it has changed, and for a layer out of range.
 std::vector<std::string> view_errors();

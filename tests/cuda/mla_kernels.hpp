@@ -61,13 +61,19 @@ void run_cuda_mla_decode(const kvattn::PagedKvCache<T>& cache, const std::vector
   d.run(cache, seqs, shape, q, p, policy, out, &lse);
 }
 
-/// Plans an empty batch of a host cache of `cache_shape` (the plan reads only the cache's
-/// bookkeeping; an empty batch needs no device) with `shape` and `p`, then calls
+/// Plans an empty batch of a host cache of format T and `cache_shape` (the plan reads only the
+/// cache's bookkeeping; an empty batch needs no device) with `shape` and `p`, then calls
 /// kvattn::cuda::mla_decode over a view that claims `view_batch` sequences but reads no device
 /// array, with null q when `null_q`, else dummy non-null q and out. Every argument check must
 /// throw before the device is touched; an empty batch with good arguments must return without
-/// touching it.
+/// touching it. Instantiated for fp32, fp8_e4m3_latent and int8_latent.
+template <class T = float>
 void mla_decode_without_device(const kvattn::AttentionShape& cache_shape, int view_batch, const kvattn::MlaShape& shape,
                                const kvattn::DecodeParams& p, bool null_q);
+
+/// Bytes of shared memory one block of kvattn::cuda::mla_decode takes on a cache of format T of
+/// `shape` on a device that allows `shared_optin` per block (its launch geometry). Instantiated
+/// for fp32, bf16, fp8_e4m3_latent and int8_latent.
+template <class T> std::size_t mla_block_shared_bytes(const kvattn::MlaShape& shape, int shared_optin);
 
 }  // namespace cuda_tests

@@ -1,6 +1,6 @@
-// tests/cuda/mla_policies.cu — MlaDecoder::run (mla_kernels.hpp) for the score policies, on fp32
-// and bf16 latents: each instantiates the MLA kernels again, so they have a translation unit of
-// their own.
+// tests/cuda/mla_policies.cu — MlaDecoder::run (mla_kernels.hpp) for the score policies, on fp32,
+// bf16 and fp8_e4m3_latent latents: each instantiates the MLA kernels again, so they have a
+// translation unit of their own.
 #include <kvattn/policy.hpp>
 
 #include "mla_run.cuh"
@@ -14,3 +14,4 @@ CUDA_TESTS_INSTANTIATE_MLA_RUN(float, kvattn::TreeMask)
 CUDA_TESTS_INSTANTIATE_MLA_RUN(float, WindowCap)
 CUDA_TESTS_INSTANTIATE_MLA_RUN(float, Gpt)
 CUDA_TESTS_INSTANTIATE_MLA_RUN(kvattn::bf16, Gpt)
+CUDA_TESTS_INSTANTIATE_MLA_RUN(kvattn::fp8_e4m3_latent, Gpt)

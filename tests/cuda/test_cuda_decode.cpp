@@ -2,7 +2,8 @@
 // as the CPU tests (test_decode.cpp): group sizes 1, 2, 3, 4, 8 and groups = heads; head sizes
 // 64, 128, 256 and odd ones; page sizes 1, 7, 16, 64; contexts 0, 1, page size ± 1 and
 // thousands; mixed batches; several queries per sequence; split-KV chunks; large logits; fp32,
-// fp16 and bf16 storage. The score policies (kvattn/policy.hpp) as the CPU tests run them
+// fp16 and bf16 storage and the 8-bit formats int8_row, fp8_e4m3_row and fp8_e4m3_layer (against
+// the reference on the dequantized cache, as on the CPU). The score policies (kvattn/policy.hpp) as the CPU tests run them
 // (test_decode_policies.cpp): the window and the soft-cap, attention sinks (counted once however
 // the keys are split), ALiBi, tree masks (Q up to 16) and gpt-oss's window + soft-cap + sinks,
 // with sequences split into many chunks and sequences of one. A whole step of several layers
@@ -41,7 +42,7 @@ using Case = checks::DecodeCase;
 /// Runs cuda::decode with policy P (its values from the case: checks::policy_values, copied to
 /// the device) and checks it against the reference.
 template <class T, class P = kvattn::Plain> void check(const Case& c) {
-  SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::storage_traits<T>::name));
+  SCOPED_TRACE(describe(c) + " format=" + std::string(kvattn::format_traits<T>::name));
   const checks::DecodeInputs<T> in(c);
   const policy_checks::Values values = checks::policy_values(c);
   std::vector<float> out = in.out(), lse = in.lse(c);
@@ -53,6 +54,9 @@ void check_all_storage(const Case& c) {
   check<float>(c);
   check<kvattn::fp16>(c);
   check<kvattn::bf16>(c);
+  check<kvattn::int8_row>(c);
+  check<kvattn::fp8_e4m3_row>(c);
+  check<kvattn::fp8_e4m3_layer>(c);
 }
 
 TEST(CudaDecode, GroupSizesAndHeadSizes) {
@@ -211,6 +215,14 @@ TEST(CudaDecodeErrors, InconsistentArgumentsAreRejectedBeforeAnyDeviceCall) {
   EXPECT_NE(mismatch.find("does not read this plan's page table"), std::string::npos) << mismatch;
   EXPECT_NE(decode_error(cache_shape, M::mla_plan).find("MLA shape"), std::string::npos);
   EXPECT_NE(decode_error(cache_shape, M::never_made).find("never made"), std::string::npos);
+}
+
+// Runs without a GPU.
+TEST(CudaDecodeErrors, Int8QueriesAreTheCpuKernels) {
+  const std::string e = cuda_tests::int8_queries_error(GqaShape::gqa(8, 2, 64));
+  EXPECT_NE(e.find("cuda::DecodePlan::make"), std::string::npos) << e;
+  EXPECT_NE(e.find("int8_queries=true"), std::string::npos) << e;
+  EXPECT_NE(e.find("fp32"), std::string::npos) << e;
 }
 
 TEST(CudaDecodeErrors, PolicyArraysAreCheckedOnTheHostBeforeTheyAreCopied) {

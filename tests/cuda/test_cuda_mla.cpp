@@ -9,7 +9,11 @@
 // lane; several column blocks; rows too wide for shared memory, done in chunks); 1, 2, 3, 5,
 // 16 and 128 heads; pages of 1, 7, 16 and 64 tokens; contexts 0, 1, 2, a page ± 1, around a
 // tile, a few hundred, 1000 and 3000; Q = 1 to 4; chunks of keys forced down to one token
-// (so the merge sees empty parts); batches of mixed lengths; fp32, fp16 and bf16. The score
+// (so the merge sees empty parts); batches of mixed lengths; fp32, fp16 and bf16. The MLA
+// formats fp8_e4m3_latent and int8_latent against the reference on the latents read_latent
+// dequantizes (the same bounds): rows of 16-byte multiples (512 + 64, 128 + 6, 2048 + 8) and of
+// 4-byte ones (128 + 16, 256 + 16, 384 + 8, 1920 + 8), one to sixteen blocks of 128, chunks of the
+// inner dimension among them (one of the rotary key alone), with gpt-oss's policy. The score
 // policies as the CPU tests run them (test_mla.cpp): sinks (counted once however the keys are
 // split), ALiBi, tree masks (Q up to 16), the window with the soft-cap, and gpt-oss's window +
 // soft-cap + sinks, with sequences split into many chunks and sequences of one.
@@ -53,6 +57,14 @@ const MlaShape kWide{2, 300, 2, 16, 16, 0};   // two columns per lane, lanes pas
 const MlaShape kWider{2, 1100, 4, 16, 16, 0};  // three column blocks; in fp32, chunks on an A100
 const MlaShape kHuge{1, 2040, 8, 16, 16, 0};   // rows of 2048: chunks of the inner dimension on any device
 const MlaShape kHugeOdd{2, 2000, 2, 16, 16, 0};  // rows of 2002: chunks, element-wise copies
+
+// The MLA formats' rows (format.hpp): latent_dim codes, latent_dim / 128 fp32 scales, rope_dim bf16.
+const MlaShape kBlock{3, 128, 6, 16, 12, 0};         // 144 bytes: 16-byte loads, the rotary key on 4 bytes
+const MlaShape kBlockRope16{2, 128, 16, 16, 16, 0};  // 164 bytes: 4-byte loads
+const MlaShape kTwoBlocks{5, 256, 16, 24, 16, 32};   // 296 bytes: 4-byte loads
+const MlaShape kThreeBlocks{3, 384, 8, 16, 12, 0};   // 412 bytes: 4-byte loads, two columns per lane
+const MlaShape kBlocksHuge{1, 2048, 8, 16, 16, 0};   // 2128 bytes: chunks, the last one the rotary key alone
+const MlaShape kBlocksHugeOdd{2, 1920, 8, 16, 16, 0};  // 1996 bytes: chunks, 4-byte loads
 
 using Case = checks::MlaCase;
 
@@ -110,6 +122,45 @@ TEST(CudaMlaDecode, SplitIntoChunksAndMerged) {
   KVATTN_REQUIRE_GPU();
   for (std::int64_t chunk : {1, 5, 32, 64, 96})
     for (const MlaShape& s : {kOdd, kFive, kV2Lite}) check_kernel<float>({s, 7, {1000, 1, 0, 64}, 2, 1.0f, chunk});
+}
+
+TEST(CudaMlaDecode, QuantizedLatentFormats) {
+  KVATTN_REQUIRE_GPU();
+  using kvattn::fp8_e4m3_latent;
+  using kvattn::int8_latent;
+  for (const MlaShape& s : {kBlock, kBlockRope16, kTwoBlocks, kThreeBlocks})
+    for (int page : {1, 7, 16}) {
+      check_kernel<fp8_e4m3_latent>({s, page, {0, 1, 33, 250}, 1});
+      check_kernel<int8_latent>({s, page, {0, 1, 33, 250}, 2});
+    }
+  for (const MlaShape& s : {kBlock, kTwoBlocks, kV2Lite}) {  // split into chunks and merged
+    check_kernel<fp8_e4m3_latent>({s, 7, {1000, 1, 0, 64}, 2, 1.0f, 64});
+    check_kernel<int8_latent>({s, 1, {300, 0, 1, 31}, 1, 1.0f, 32});
+  }
+  check_kernel<fp8_e4m3_latent>({kV2, 16, {1, 77, 513}, 1});
+  check_kernel<int8_latent>({kV2, 7, {40, 0, 65}, 2});
+  check_kernel<int8_latent>({kV2Lite, 64, {3000}, 1});  // split across the device, merged
+  check_kernel<fp8_e4m3_latent>({kV2Lite, 1, {2, 0, 1, 3}, 4, 1.0f, 1});  // rows that see no key, chunks of one token
+  for (const MlaShape& s : {kBlocksHuge, kBlocksHugeOdd}) {
+    check_kernel<fp8_e4m3_latent>({s, 16, {0, 1, 33, 100, 257}, 1});
+    check_kernel<int8_latent>({s, 7, {0, 1, 33, 100, 257}, 2, 1.0f, 40});
+  }
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<std::int64_t> len(0, 300);
+  std::vector<std::int64_t> lengths(23);
+  for (auto& n : lengths) n = len(rng);
+  check_kernel<int8_latent>({kTwoBlocks, 7, lengths, 2});
+  check_kernel<fp8_e4m3_latent>({kBlockRope16, 1, lengths, 1, 1.0f, 50});
+}
+
+TEST(CudaMlaDecode, QuantizedLatentFormatsPagedEqualsContiguousBitForBit) {
+  KVATTN_REQUIRE_GPU();
+  const std::vector<std::int64_t> lengths{300, 1, 77};
+  const auto contiguous = check_kernel<kvattn::int8_latent>({kTwoBlocks, 512, lengths, 2, 1.0f, 64}, 5);
+  for (int page : {1, 7, 16}) {
+    const auto paged = check_kernel<kvattn::int8_latent>({kTwoBlocks, page, lengths, 2, 1.0f, 64}, 5);
+    EXPECT_EQ(paged, contiguous) << "page size " << page;
+  }
 }
 
 TEST(CudaMlaDecode, WideLatentsColumnBlocksAndChunkedRows) {
@@ -245,6 +296,8 @@ TEST(CudaMlaDecodePolicies, GptOssWindowSoftCapAndSinks) {
   check_kernel<float, Gpt>({kFive, 16, {200, 5, 0}, 1, 4.0f, 0, 40, 20.0f});
   check_kernel<float, Gpt>({kV2Lite, 16, {1500, 3}, 2, 1.0f, 100, 150, 30.0f});  // split, chunks outside the window
   check_kernel<bf16, Gpt>({kV2Lite, 7, {800, 1, 0}, 2, 1.0f, 32, 300, 30.0f});
+  check_kernel<kvattn::fp8_e4m3_latent, Gpt>({kBlockRope16, 16, {200, 5, 0}, 1, 4.0f, 0, 40, 20.0f});
+  check_kernel<kvattn::fp8_e4m3_latent, Gpt>({kV2, 7, {700, 2, 0}, 2, 1.0f, 64, 150, 30.0f});  // split, chunks outside the window
 }
 
 // ---- argument checks (no GPU needed) -----------------------------------------------------------
@@ -302,6 +355,34 @@ TEST(CudaMlaDecodeArguments, BadInputIsRejectedBeforeAnyDeviceWork) {
   } catch (const kvattn::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("batch=2"), std::string::npos) << e.what();
   }
+}
+
+TEST(CudaMlaDecodeArguments, QuantizedLatentFormatsAreCheckedBeforeAnyDeviceWork) {
+  using cuda_tests::mla_decode_without_device;
+  kvattn::DecodeParams p;
+  EXPECT_NO_THROW(mla_decode_without_device<kvattn::fp8_e4m3_latent>(kBlockRope16, 0, kBlockRope16, p, false));
+  EXPECT_NO_THROW(mla_decode_without_device<kvattn::int8_latent>(kV2, 0, kV2, p, false));
+  MlaShape other = kBlockRope16;
+  other.rope_dim = 8;
+  EXPECT_THROW(mla_decode_without_device<kvattn::int8_latent>(kBlockRope16, 0, other, p, false), kvattn::shape_error);
+  EXPECT_THROW(mla_decode_without_device<kvattn::int8_latent>(kV2, 2, kV2, p, false), kvattn::invalid_argument);
+  p.chunk_tokens = -1;
+  EXPECT_THROW(mla_decode_without_device<kvattn::fp8_e4m3_latent>(kV2, 0, kV2, p, false), kvattn::invalid_argument);
+}
+
+TEST(CudaMlaDecodeArguments, QuantizedLatentFormatsStageTilesInFp32) {
+  // Their codes are dequantized into fp32 tiles: a block takes the shared memory of an fp32
+  // cache's, in one chunk or in the same chunks (a bf16 cache's, with 2-byte tiles, less).
+  for (const MlaShape& s : {kV2, kBlockRope16, kBlocksHuge})
+    for (int optin : {166912, 232448}) {  // an A100's and an H100's bytes per block
+      SCOPED_TRACE(testing::Message() << "latent=" << s.latent_dim << " optin=" << optin);
+      const std::size_t fp32 = cuda_tests::mla_block_shared_bytes<float>(s, optin);
+      EXPECT_EQ(cuda_tests::mla_block_shared_bytes<kvattn::fp8_e4m3_latent>(s, optin), fp32);
+      EXPECT_EQ(cuda_tests::mla_block_shared_bytes<kvattn::int8_latent>(s, optin), fp32);
+      if (s.latent_dim <= 512) {
+        EXPECT_LT(cuda_tests::mla_block_shared_bytes<bf16>(s, optin), fp32);
+      }
+    }
 }
 
 }  // namespace

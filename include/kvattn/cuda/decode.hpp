@@ -33,6 +33,14 @@
 // lse (sink included) written by the first kernel, and the second kernel is launched only when
 // some sequence is split, so a batch with no split sequence takes one launch.
 //
+// Formats: fp32, fp16, bf16, and the 8-bit int8_row, fp8_e4m3_row and fp8_e4m3_layer (format.hpp).
+// An 8-bit row is read with one 8-byte load per thread for the head sizes above and converted to
+// floats (an fp8 code as q · 2^-8: its fields placed in an fp16's); a row's scale, read from the
+// page's scale block beside it, multiplies its score (keys) and its probability (values), and a
+// layer's scales are folded into the softmax scale and into each probability. The scoring stays
+// fp32 (DecodeParams::int8_queries is the CPU kernels': the plan refuses it). The 4-bit and rotated formats are CPU
+// formats.
+//
 // The call itself launches kernels and nothing else (no allocation, copy or synchronization):
 // a step of several layers can be captured into a CUDA graph.
 #pragma once
@@ -71,22 +79,30 @@ template <class E> struct DecodeArgs {
   float* out;         ///< where a sequence of one item writes its rows' results directly (and lse, when not null)
   float* lse;
   int group, Q, rows, q_heads;
-  float scale;
+  float scale;    ///< the softmax scale (formats with a layer scale: times the key scale, format_traits<T>::kernel_scale)
+  float v_scale;  ///< formats with a layer scale: the value scale (kernel_scale); 1 otherwise
 };
 
-/// EPT consecutive elements of a row into floats: 16-byte loads when VEC, else one by one, masked
-/// past `dim`.
+/// A vector of N bytes for one load.
+template <int N> struct Bytes;
+template <> struct Bytes<16> { using type = uint4; };
+template <> struct Bytes<8> { using type = uint2; };
+
+/// EPT consecutive elements of a row into floats: loads of 16 bytes (8 for 8-bit formats' rows of
+/// 8 per thread) when VEC, else one by one, masked past `dim`.
 template <class E, int EPT, bool VEC>
 __device__ __forceinline__ void load_row(const E* p, int c0, int dim, float (&x)[EPT]) {
   if constexpr (VEC) {
-    constexpr int kPer16 = 16 / sizeof(E);
-    static_assert(EPT % kPer16 == 0, "whole 16-byte loads");
+    constexpr int kLoad = EPT * sizeof(E) < 16 ? static_cast<int>(EPT * sizeof(E)) : 16;  // bytes per load
+    constexpr int kPer = kLoad / static_cast<int>(sizeof(E));
+    static_assert(EPT % kPer == 0, "whole loads");
+    using V = typename Bytes<kLoad>::type;
 #pragma unroll
-    for (int j = 0; j < EPT / kPer16; ++j) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(p + c0 + j * kPer16);
+    for (int j = 0; j < EPT / kPer; ++j) {
+      const V raw = *reinterpret_cast<const V*>(p + c0 + j * kPer);
       const E* e = reinterpret_cast<const E*>(&raw);
 #pragma unroll
-      for (int k = 0; k < kPer16; ++k) x[j * kPer16 + k] = to_float(e[k]);
+      for (int k = 0; k < kPer; ++k) x[j * kPer + k] = to_float(e[k]);
     }
   } else {
 #pragma unroll
@@ -98,9 +114,11 @@ __device__ __forceinline__ void load_row(const E* p, int c0, int dim, float (&x)
 /// its rows (row item.partial + h · rows + row of partial_o and partial_md: {o normalized, m, d});
 /// or, when the item is its sequence's only one (item.partial < 0), the rows' outputs and
 /// log-sum-exps themselves, the sink counted.
-template <class E, int TPR, int EPT, int RB, bool VEC, class P>
+template <class T, class E, int TPR, int EPT, int RB, bool VEC, class P>
 __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs<E> a, const P policy) {
   constexpr int NG = kDecodeThreads / TPR;  // lane groups
+  constexpr bool kRowScale = format_traits<T>::row_scale;  // a scale per row, in the page's scale block
+  constexpr bool kScaled = kRowScale || format_traits<T>::layer_scale;
   const DecodePlan::Item item = a.items[blockIdx.x];
   const int h = blockIdx.y, r0 = blockIdx.z * RB;
   const int nr = min(RB, a.rows - r0);
@@ -142,6 +160,7 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
   // Every lane of a warp runs the same number of iterations (the shuffles need all of them).
   for (std::int64_t t0 = item.begin; t0 < item.end; t0 += 2 * NG) {
     float k[2][EPT], v[2][EPT];
+    float ks[2] = {1.0f, 1.0f}, vs[2] = {a.v_scale, a.v_scale};  // the rows' scales (row-scaled formats)
     bool valid[2];
     std::int32_t next[2];
 #pragma unroll
@@ -154,9 +173,16 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
       const std::int64_t t = t0 + u * NG + g;
       valid[u] = t < item.end;
       if (valid[u]) {
-        const E* kr = a.pool + std::int64_t{page[u]} * a.layout.page_stride + a.layout.key(h, static_cast<int>(t % page_size));
+        const E* base = a.pool + std::int64_t{page[u]} * a.layout.page_stride;
+        const int slot = static_cast<int>(t % page_size);
+        const E* kr = base + a.layout.key(h, slot);
         load_row<E, EPT, VEC>(kr, c0, dim, k[u]);
         load_row<E, EPT, VEC>(kr + value_minus_key, c0, dim, v[u]);
+        if constexpr (kRowScale) {  // one byte per unit: the scale block is scale_offset bytes into the page
+          const float* scales = reinterpret_cast<const float*>(base + a.layout.scale_offset);
+          ks[u] = scales[a.layout.key_scale(h, slot)];
+          vs[u] = scales[a.layout.value_scale(h, slot)];
+        }
       } else {
 #pragma unroll
         for (int e = 0; e < EPT; ++e) k[u][e] = v[u][e] = 0.0f;
@@ -173,12 +199,15 @@ __global__ void __launch_bounds__(kDecodeThreads) decode_kernel(const DecodeArgs
 #pragma unroll
         for (int off = TPR / 2; off > 0; off /= 2) s += __shfl_xor_sync(0xffffffffu, s, off, TPR);
         if (!valid[u] || !sees(policy, row[r], t)) continue;  // uniform across the lane group: the shuffles are done
+        if constexpr (kRowScale) s *= ks[u];
         s = policy_logit(policy, row[r], s * a.scale, t);
         const SoftmaxStep<float> step = softmax_step<float>(m[r], s);
         const float p = expf(s - step.shift);
         d[r] = d[r] * step.alpha + p;
+        float pv = p;
+        if constexpr (kScaled) pv *= vs[u];  // the value row's scale
 #pragma unroll
-        for (int e = 0; e < EPT; ++e) acc[r][e] = fmaf(p, v[u][e], acc[r][e] * step.alpha);
+        for (int e = 0; e < EPT; ++e) acc[r][e] = fmaf(pv, v[u][e], acc[r][e] * step.alpha);
         m[r] = step.m;
       }
     }
@@ -288,25 +317,25 @@ __global__ void __launch_bounds__(kDecodeThreads)
   if (lse != nullptr && threadIdx.x == 0) lse[at] = st.lse();
 }
 
-template <class E, int TPR, int EPT, int RB, bool VEC, class P>
+template <class T, class E, int TPR, int EPT, int RB, bool VEC, class P>
 void launch_decode(const DecodeArgs<E>& a, const P& policy, unsigned items, int kv_heads, cudaStream_t stream) {
   constexpr int NG = kDecodeThreads / TPR;
   // The merge's shared memory: accumulators [NG][RB][TPR · EPT], {m, d} and weights [NG][RB], rows' {m, d}.
   const std::size_t smem = sizeof(float) * (std::size_t{NG} * RB * TPR * EPT + 3 * std::size_t{NG} * RB + 2 * std::size_t{RB});
   const dim3 grid(items, static_cast<unsigned>(kv_heads), static_cast<unsigned>((a.rows + RB - 1) / RB));
-  decode_kernel<E, TPR, EPT, RB, VEC, P><<<grid, kDecodeThreads, smem, stream>>>(a, policy);
+  decode_kernel<T, E, TPR, EPT, RB, VEC, P><<<grid, kDecodeThreads, smem, stream>>>(a, policy);
 }
 
 /// The row block for the call's rows (gqa_row_block, as the plan counted it).
-template <class E, int TPR, int EPT, bool VEC, class P>
+template <class T, class E, int TPR, int EPT, bool VEC, class P>
 void launch_rows(const DecodeArgs<E>& a, const P& policy, unsigned items, int kv_heads, cudaStream_t stream) {
   constexpr int kMaxRb = gqa_max_row_block(EPT);
   static_assert(kMaxRb == 4 || kMaxRb == 8, "row blocks of 1, 2, 4 and the most");
   switch (gqa_row_block(EPT, a.rows)) {
-    case 1: launch_decode<E, TPR, EPT, 1, VEC>(a, policy, items, kv_heads, stream); break;
-    case 2: launch_decode<E, TPR, EPT, 2, VEC>(a, policy, items, kv_heads, stream); break;
-    case 4: launch_decode<E, TPR, EPT, 4, VEC>(a, policy, items, kv_heads, stream); break;
-    default: launch_decode<E, TPR, EPT, kMaxRb, VEC>(a, policy, items, kv_heads, stream); break;
+    case 1: launch_decode<T, E, TPR, EPT, 1, VEC>(a, policy, items, kv_heads, stream); break;
+    case 2: launch_decode<T, E, TPR, EPT, 2, VEC>(a, policy, items, kv_heads, stream); break;
+    case 4: launch_decode<T, E, TPR, EPT, 4, VEC>(a, policy, items, kv_heads, stream); break;
+    default: launch_decode<T, E, TPR, EPT, kMaxRb, VEC>(a, policy, items, kv_heads, stream); break;
   }
 }
 
@@ -323,6 +352,11 @@ void launch_rows(const DecodeArgs<E>& a, const P& policy, unsigned items, int kv
 template <class T, class P = Plain>
 void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, cudaStream_t stream = nullptr,
             const P& policy = P{}) {
+  static_assert(format_traits<T>::latent_block == 0,
+                "kvattn::cuda::decode reads GQA-family caches: fp8_e4m3_latent and int8_latent are MLA formats (cuda::mla_decode)");
+  static_assert(!format_traits<T>::rotated && !format_traits<T>::block_scale,
+                "kvattn::cuda::decode reads fp32, fp16, bf16, int8_row, fp8_e4m3_row and fp8_e4m3_layer caches (the 4-bit and the "
+                "rotated formats are read by the CPU kernels)");
   constexpr const char* op = "cuda::decode";
   const GqaShape& shape = plan.check_call<GqaShape>(op, kv, policy, q, out);
   if (reinterpret_cast<std::uintptr_t>(kv.pool) % 16 != 0)
@@ -333,22 +367,27 @@ void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, De
   const int Q = plan.params().queries_per_seq, group = shape.group_size();
   const int rows = group * Q;
   const DecodePlan::DeviceArrays& dev = plan.device_arrays();
+  float scale = plan.scale(), v_scale = 1.0f;
+  if constexpr (format_traits<T>::layer_scale) {  // the layer's scales, out of the loop
+    scale *= format_traits<T>::kernel_scale(kv.scales.k);
+    v_scale = format_traits<T>::kernel_scale(kv.scales.v);
+  }
   const impl::DecodeArgs<E> a{reinterpret_cast<const E*>(kv.pool), kv.layout, kv.indptr, kv.indices, kv.last_page_len, dev.items, q,
-                              dev.partial_o, dev.partial_md, out, lse, group, Q, rows, shape.q_heads, plan.scale()};
+                              dev.partial_o, dev.partial_md, out, lse, group, Q, rows, shape.q_heads, scale, v_scale};
   const auto items = static_cast<unsigned>(plan.item_count());
   const int H = shape.kv_heads;
   dispatch_head_dim(shape.head_dim, [&](auto head_dim) {
     constexpr int HeadDim = decltype(head_dim)::value;
-    if constexpr (HeadDim > 0) {  // 16-byte loads of whole rows (8 elements of 16 bits, 4 × 2 of fp32)
+    if constexpr (HeadDim > 0) {  // whole-row loads: 16 bytes (8 elements of 16 bits; 2 × 4 of fp32) or 8 (8-bit codes)
       static_assert(impl::gqa_elements_per_thread(HeadDim) == 8, "8 elements per thread");
-      impl::launch_rows<E, HeadDim / 8, 8, true>(a, policy, items, H, stream);
+      impl::launch_rows<T, E, HeadDim / 8, 8, true>(a, policy, items, H, stream);
     } else {
       switch (impl::gqa_elements_per_thread(shape.head_dim)) {
-        case 1: impl::launch_rows<E, 32, 1, false>(a, policy, items, H, stream); break;
-        case 2: impl::launch_rows<E, 32, 2, false>(a, policy, items, H, stream); break;
-        case 4: impl::launch_rows<E, 32, 4, false>(a, policy, items, H, stream); break;
-        case 8: impl::launch_rows<E, 32, 8, false>(a, policy, items, H, stream); break;
-        default: impl::launch_rows<E, 32, 16, false>(a, policy, items, H, stream); break;
+        case 1: impl::launch_rows<T, E, 32, 1, false>(a, policy, items, H, stream); break;
+        case 2: impl::launch_rows<T, E, 32, 2, false>(a, policy, items, H, stream); break;
+        case 4: impl::launch_rows<T, E, 32, 4, false>(a, policy, items, H, stream); break;
+        case 8: impl::launch_rows<T, E, 32, 8, false>(a, policy, items, H, stream); break;
+        default: impl::launch_rows<T, E, 32, 16, false>(a, policy, items, H, stream); break;
       }
     }
   });

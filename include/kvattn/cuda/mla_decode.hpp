@@ -6,6 +6,12 @@
 //   out  [batch][Q][heads][latent_dim]             fp32, attention in latent space
 //   lse  [batch][Q][heads]                         fp32, natural log, -inf for a row that sees no key; optional
 //
+// The cache is fp32, fp16, bf16, fp8_e4m3_latent or int8_latent (format.hpp). A row of the two
+// MLA formats is [latent_dim codes][latent_dim / 128 fp32 scales s][rope_dim bf16], row_stride
+// bytes apart (656 at 512 + 64); a latent value is impl::to_float(code) · kernel_scale(s) (q · s
+// for int8; q · 2^-8 · (s · 2^8) for e4m3), the same fp32 product the host's read_latent forms, so
+// the kernel sees exactly the latents the reference sees.
+//
 // Query i of sequence b sits at position L_b − Q + i and sees the positions at or before it, with
 // what the score policy (kvattn/policy.hpp) adds, applied as the CPU kernel applies it (see
 // cuda/decode.hpp): window, logits of the scaled score, mask, and a sink counted once per row at
@@ -18,9 +24,14 @@
 // block of 256 threads (8 warps) per (item, row block, column block); all its rows share every
 // tile of the latent cache, which is read from the pages once per block:
 //   - Tiles of kTile = 32 tokens. The tile's rows [latent | rope] are copied from their pages into
-//     shared memory in the storage type (16-byte loads when every row starts on 16 bytes, i.e.
-//     (latent_dim + rope_dim) · sizeof(T) % 16 == 0 and the pool is 16-byte aligned; element by
-//     element otherwise). The queries of the row block sit in shared memory in fp32, scaled.
+//     shared memory: fp32, fp16 and bf16 in the storage type (16-byte loads when every row starts
+//     on 16 bytes, i.e. (latent_dim + rope_dim) · sizeof(T) % 16 == 0 and the pool is 16-byte
+//     aligned; element by element otherwise); the MLA formats in fp32, dequantized as they are
+//     copied (each code times its block's scale, the rotary key widened from bf16), so every later
+//     step is the fp32 cache's. Their codes are read 16 to a load when rows start on 16 bytes
+//     (row_stride % 16 == 0, as at 512 + 64), else 4 (every row of theirs starts on 4 bytes:
+//     rope_dim is even), the block's scale once per load, the rotary key in bf16 pairs. The
+//     queries of the row block sit in shared memory in fp32, scaled.
 //   - Scores S = Q̃ · Cᵀ (16 rows × 32 tokens): each thread computes a 4 × 4 block of them over
 //     one eighth of the inner dimension (warp w takes the float4 columns ≡ w mod 8; lane l the
 //     rows 4·(l / 8) + a and the tokens l % 8 + 8·u), and the eight partial sums meet in shared
@@ -34,13 +45,14 @@
 //     column block (NC = 1 or 2, so 256 or 512 columns per block: one column block up to
 //     latent_dim = 512), for all 16 rows, in registers (16 · NC accumulators per thread).
 //   - The shared memory of one block, with Kp the padded row width:
-//       queries [16][Kp] fp32 | tile [32][Kp] T | partial scores [8][16][32] fp32 |
-//       P [32][16] fp32 | m, d, alpha [16] fp32 | tile row offsets [32] int64
+//       queries [16][Kp] fp32 | tile [32][Kp] T (fp32 for the MLA formats) |
+//       partial scores [8][16][32] fp32 | P [32][16] fp32 | m, d, alpha [16] fp32 |
+//       tile row offsets [32] int64
 //     (DeepSeek-V2's 512 + 64: 93 KB in bf16, two blocks per SM on an H100, one on an A100;
-//     130 KB in fp32). When the rows are too wide for the device's shared memory, the inner
-//     dimension is processed in chunks of 1024, 512 or 256 columns (the queries are then
-//     reloaded chunk by chunk, and the chunk that holds the block's latent columns is reloaded
-//     for O += P · C): any width works.
+//     130 KB in fp32 and in the MLA formats). When the rows are too wide for the device's shared
+//     memory, the inner dimension is processed in chunks of 1024, 512 or 256 columns (the queries
+//     are then reloaded chunk by chunk, and the chunk that holds the block's latent columns is
+//     reloaded for O += P · C): any width works.
 // Each block writes, for its rows and columns, the item's normalized partial state {o, m, d}
 // (state.hpp) to the plan's partial results, or, when the item is its sequence's only one, the
 // final out and lse directly (the sink counted).
@@ -88,9 +100,10 @@ using impl::merge_into;
 /// What the main kernel reads and writes; every pointer is a device pointer.
 template <class E> struct Args {
   const E* pool;                 ///< the layer: [num_pages][page_stride]
-  std::int64_t page_stride;      ///< elements from one page to the next
+  std::int64_t page_stride;      ///< elements (bytes for the MLA formats) from one page to the next
   int page_size;                 ///< tokens per page
-  std::int64_t row_stride;       ///< elements from one token's row to the next (>= K)
+  std::int64_t row_stride;       ///< elements (bytes) from one token's row to the next (>= K)
+  std::int64_t rope_offset;      ///< MLA formats: bytes from a row's start to its rotary key
   const std::int32_t* indptr;    ///< [batch + 1]
   const std::int32_t* indices;   ///< [indptr[batch]]
   const std::int32_t* last_page_len;  ///< [batch]
@@ -107,6 +120,14 @@ template <class E> struct Args {
   float* out;                    ///< [batch][rows][latent]
   float* lse;                    ///< [batch][rows] or null
 };
+
+/// The 8-bit codes of the MLA formats (a byte of the page each).
+template <class E> inline constexpr bool is_code_v = std::is_same_v<E, impl::Int8Code> || std::is_same_v<E, impl::E4m3Code>;
+/// The type a tile is staged in, in shared memory: the stored element for fp32, fp16 and bf16;
+/// fp32 for the MLA formats' codes, dequantized as they are copied in.
+template <class E> using staged_t = std::conditional_t<is_code_v<E>, float, E>;
+/// Latent values per scale in the MLA formats.
+inline constexpr int kLatentBlock = 128;
 
 /// Four consecutive elements of shared memory (16-byte aligned for float, 8 for 16-bit) as fp32.
 __device__ __forceinline__ float4 load4(const float* p) { return *reinterpret_cast<const float4*>(p); }
@@ -170,6 +191,82 @@ __device__ __forceinline__ void load_tile(const E* __restrict__ pool, const std:
   }
 }
 
+/// The code in byte b as the kernels read it (impl::to_float: q, or q · 2^-8 for e4m3).
+template <class E> __device__ __forceinline__ E code_of(unsigned b);
+template <> __device__ __forceinline__ impl::Int8Code code_of<impl::Int8Code>(unsigned b) {
+  return impl::Int8Code{static_cast<std::int8_t>(b)};
+}
+template <> __device__ __forceinline__ impl::E4m3Code code_of<impl::E4m3Code>(unsigned b) {
+  return impl::E4m3Code{static_cast<std::uint8_t>(b)};
+}
+/// What the loaded codes are multiplied by for a block's stored scale s: s for int8, s · 2^8 for
+/// e4m3 (format_traits<F>::kernel_scale).
+__device__ __forceinline__ float kernel_scale(impl::Int8Code, float s) { return s; }
+__device__ __forceinline__ float kernel_scale(impl::E4m3Code, float s) { return s * 256.0f; }
+
+/// Four codes (the bytes of w, the lowest first) times `scale`, into dst[0, 4).
+template <class E> __device__ __forceinline__ void dequantize4(unsigned w, float scale, float* dst) {
+  *reinterpret_cast<float4*>(dst) =
+      make_float4(impl::to_float(code_of<E>(w & 0xFFu)) * scale, impl::to_float(code_of<E>((w >> 8) & 0xFFu)) * scale,
+                  impl::to_float(code_of<E>((w >> 16) & 0xFFu)) * scale, impl::to_float(code_of<E>(w >> 24)) * scale);
+}
+
+/// An MLA format's load_tile: columns [c0, c0 + width) of the n token rows at byte pool + row[t]
+/// (format.hpp: [latent codes][latent / 128 fp32 scales][rope bf16]) into tile [t][0, width) in
+/// fp32 (rows Kp apart), zero up to the next multiple of 4: a code's value (impl::to_float) times
+/// its block's kernel_scale, exactly as the host dequantizes it, then the rotary key's elements.
+/// Codes are read 16 to a load when Vec (rows on 16 bytes), else 4 (rows on 4 bytes, as every row
+/// of these formats is: rope_dim is even); scales as fp32, the rotary key in pairs of bf16. c0 is
+/// a multiple of 256 (or 0) and latent of 128, so a load never straddles two blocks or the codes'
+/// end.
+template <bool Vec, class E>
+__device__ __forceinline__ void load_latent_tile(const E* __restrict__ pool, const std::int64_t* row, int c0, int width, int n,
+                                                 float* tile, int Kp, int latent, std::int64_t rope_offset) {
+  constexpr int G = Vec ? 16 : 4;  // codes per load
+  const unsigned char* base = reinterpret_cast<const unsigned char*>(pool);
+  const int end = c0 + width, end4 = c0 + (width + 3) / 4 * 4;
+  const int code_units = ::max(0, ::min(end, latent) - c0) / G;  // codes: columns [c0, min(end, latent))
+  const int r0 = ::max(c0, latent), pair_units = ::max(0, end4 - r0) / 2;  // rotary key: columns [r0, end4) in pairs
+  const int units = code_units + pair_units;
+  for (int i = threadIdx.x; i < n * units; i += kThreads) {
+    const int t = i / units, u = i - t * units;
+    const unsigned char* src = base + row[t];
+    float* dst = tile + t * Kp;
+    if (u < code_units) {
+      const int k = c0 + u * G;
+      const float s = kernel_scale(E{}, __ldg(reinterpret_cast<const float*>(src + latent) + k / kLatentBlock));
+      if constexpr (Vec) {
+        const uint4 w = __ldg(reinterpret_cast<const uint4*>(src + k));
+        dequantize4<E>(w.x, s, dst + (k - c0));
+        dequantize4<E>(w.y, s, dst + (k - c0) + 4);
+        dequantize4<E>(w.z, s, dst + (k - c0) + 8);
+        dequantize4<E>(w.w, s, dst + (k - c0) + 12);
+      } else {
+        dequantize4<E>(__ldg(reinterpret_cast<const unsigned*>(src + k)), s, dst + (k - c0));
+      }
+    } else {
+      const int k = r0 + 2 * (u - code_units);  // even; k + 1 < end when k < end (rope_dim even)
+      float2 v = make_float2(0.0f, 0.0f);
+      if (k < end) {
+        const unsigned w = __ldg(reinterpret_cast<const unsigned*>(src + rope_offset) + (k - latent) / 2);
+        v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+      }
+      *reinterpret_cast<float2*>(dst + (k - c0)) = v;
+    }
+  }
+}
+
+/// Copies columns [c0, c0 + width) of the item's n tile rows (row[t]) into the tile in shared
+/// memory: load_tile for fp32, fp16 and bf16, load_latent_tile for the MLA formats.
+template <bool Vec, class E>
+__device__ __forceinline__ void copy_tile(const Args<E>& a, const std::int64_t* row, int c0, int width, int n, staged_t<E>* tile,
+                                          int Kp) {
+  if constexpr (is_code_v<E>)
+    load_latent_tile<Vec>(a.pool, row, c0, width, n, tile, Kp, a.latent, a.rope_offset);
+  else
+    load_tile<Vec>(a.pool, row, c0, width, n, tile, Kp);
+}
+
 /// Columns [c0, c0 + width) of the block's query rows, scaled, into qs [kRows][Kp]; zero past
 /// `width` and in rows past the sequence's.
 __device__ __forceinline__ void load_queries(const float* __restrict__ q_seq, int row0, int rows, int K, float scale,
@@ -183,15 +280,16 @@ __device__ __forceinline__ void load_queries(const float* __restrict__ q_seq, in
 
 /// One block: rows [row0, row0 + kRows) of item blockIdx.x, latent columns of column block
 /// blockIdx.z (kWarps · 32 · NC of them), the policy applied to every score. Vec: tiles are
-/// copied in 16-byte units.
+/// copied in 16-byte units (copy_tile).
 template <class E, int NC, bool Vec, class P>
 __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const Args<E> a, const P policy) {
+  using S = staged_t<E>;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   constexpr int kCols = kWarps * 32 * NC;  // columns of a column block
   extern __shared__ float4 shared_f4[];
   const int Kp = a.Kp;
   float* qs = reinterpret_cast<float*>(shared_f4);                      // [kRows][Kp]
-  E* tile = reinterpret_cast<E*>(qs + kRows * Kp);                      // [kTile][Kp]
+  S* tile = reinterpret_cast<S*>(qs + kRows * Kp);                      // [kTile][Kp]
   float* red = reinterpret_cast<float*>(tile + kTile * Kp);             // [kWarps][kRows][kTile]
   float* ps = red + kWarps * kRows * kTile;                             // [kTile][kRows]
   float* ms = ps + kTile * kRows;                                       // [kRows]
@@ -211,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const Args<E> a
   const int col_chunk = col0 / a.chunk;     // the chunk holding this block's columns
   const int col_chunk0 = col_chunk * a.chunk;
 
-  for (int i = tid; i < kTile * Kp; i += kThreads) tile[i] = impl::from_float<E>(0.0f);
+  for (int i = tid; i < kTile * Kp; i += kThreads) tile[i] = impl::from_float<S>(0.0f);
   if (tid < kRows) {
     ms[tid] = kNegInf;
     ds[tid] = 0.0f;
@@ -248,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const Args<E> a
       const int c0 = ch * a.chunk, width = ::min(a.chunk, a.K - c0);
       if (ch > 0) __syncthreads();  // the previous chunk's readers are done
       if (!resident) load_queries(q_seq, row0, a.rows, a.K, a.scale, c0, width, qs, Kp);
-      load_tile<Vec>(a.pool, row_at, c0, width, n, tile, Kp);
+      copy_tile<Vec>(a, row_at, c0, width, n, tile, Kp);
       __syncthreads();
       const int k4s = (width + 3) / 4;
       for (int k4 = warp; k4 < k4s; k4 += kWarps) {
@@ -306,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const Args<E> a
 
     // 3. O = alpha · O + P · C over this block's latent columns (from its chunk's tile).
     if (a.chunks > 1 && col_chunk != a.chunks - 1) {
-      load_tile<Vec>(a.pool, row_at, col_chunk0, ::min(a.chunk, a.K - col_chunk0), n, tile, Kp);
+      copy_tile<Vec>(a, row_at, col_chunk0, ::min(a.chunk, a.K - col_chunk0), n, tile, Kp);
       __syncthreads();
     }
     if (wc < a.latent) {  // (uniform over the warp; no barrier inside)
@@ -317,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 2) mla_decode_kernel(const Args<E> a
         for (int j = 0; j < NC; ++j) o[r][j] *= al;
       }
       const bool mine = c < a.latent;  // with NC = 2, c + 1 is then inside the row too (c even, rows whole float4s)
-      const E* col = tile + (c - col_chunk0);
+      const S* col = tile + (c - col_chunk0);
       for (int t = 0; t < n; ++t) {
         float v[NC];
         if constexpr (NC == 2) {
@@ -428,8 +526,9 @@ void launch_main(const Args<E>& a, const P& policy, dim3 grid, const Geometry& g
 /// (plan.view(cache, layer)); `plan` was made with the MlaShape (DecodePlan::make); q, out, lse
 /// are device arrays; `policy` adds a variant (policy.hpp), its arrays in device memory
 /// (PolicyArrays). Throws kvattn::shape_error, invalid_argument or capacity_error on
-/// inconsistent arguments before any launch, cuda_error when the runtime reports one. Returns
-/// without waiting for the kernels; no allocation, no copy, no synchronization.
+/// inconsistent arguments (for the MLA formats, also a pool or rows not on 4 bytes) before any
+/// launch, cuda_error when the runtime reports one. Returns without waiting for the kernels; no
+/// allocation, no copy, no synchronization.
 template <class T, class P = Plain>
 void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, cudaStream_t stream = nullptr,
                 const P& policy = P{}) {
@@ -438,8 +537,29 @@ void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse
   if (kv.batch == 0) return;
 
   using E = typename impl::device_type<T>::type;
+  constexpr bool kCodes = mla_impl::is_code_v<E>;
+  static_assert(mla_impl::staged_bytes<T>() == sizeof(mla_impl::staged_t<E>), "the plan sizes the tiles the kernel stages");
+  static_assert(!kCodes || format_traits<T>::latent_block == mla_impl::kLatentBlock, "the MLA formats' blocks of 128");
+  static_assert(kCodes || (format_traits<T>::latent_block == 0 && !format_traits<T>::row_scale && !format_traits<T>::layer_scale &&
+                           !format_traits<T>::block_scale),
+                "kvattn::cuda::mla_decode: MLA caches are fp32, fp16, bf16, fp8_e4m3_latent or int8_latent");
   const int Q = plan.params().queries_per_seq, rows = Q * shape.heads, latent = shape.latent_dim, K = shape.latent_dim + shape.rope_dim;
-  const mla_impl::Geometry geometry = mla_impl::choose_geometry(op, K, latent, sizeof(E), plan.shared_optin());
+  const auto pool_at = reinterpret_cast<std::uintptr_t>(kv.pool);
+  if constexpr (kCodes) {
+    // Codes are read 4 or 16 bytes at a time, scales as fp32 and the rotary key in bf16 pairs: a
+    // layer's pool and rows on 4 bytes (the cache's always are: rows of 4-byte multiples, pages of
+    // 64-byte multiples from a 256-byte aligned allocation).
+    if (pool_at % 4 != 0 || kv.layout.row_stride % 4 != 0 || kv.layout.page_stride % 4 != 0 || kv.layout.rope_offset % 4 != 0)
+      raise<invalid_argument>(kvattn::detail::concat(op, ": the ", format_traits<T>::name, " pool at ", static_cast<const void*>(kv.pool),
+                                                     " with row_stride=", kv.layout.row_stride, " page_stride=", kv.layout.page_stride,
+                                                     " rope_offset=", kv.layout.rope_offset,
+                                                     " bytes: the pool, its rows and its rotary keys must start on 4 bytes"));
+    if (kv.layout.latent_block != mla_impl::kLatentBlock)
+      raise<invalid_argument>(kvattn::detail::concat(op, ": the ", format_traits<T>::name, " view's layout has latent_block=",
+                                                     kv.layout.latent_block, ", not the format's ", mla_impl::kLatentBlock,
+                                                     " (take the layout from the cache: PageLayout::of)"));
+  }
+  const mla_impl::Geometry geometry = mla_impl::choose_geometry(op, K, latent, mla_impl::staged_bytes<T>(), plan.shared_optin());
   const int row_blocks = (rows + mla_impl::kRows - 1) / mla_impl::kRows;
   const int col_blocks = mla_impl::column_blocks(latent, geometry.nc);
   const DecodePlan::DeviceArrays& dev = plan.device_arrays();
@@ -449,6 +569,7 @@ void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse
   a.page_stride = kv.layout.page_stride;
   a.page_size = kv.layout.page_size;
   a.row_stride = kv.layout.row_stride;
+  a.rope_offset = kv.layout.rope_offset;
   a.indptr = kv.indptr;
   a.indices = kv.indices;
   a.last_page_len = kv.last_page_len;
@@ -468,11 +589,12 @@ void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse
   a.out = out;
   a.lse = lse;
 
-  // 16-byte copies when every row (and every chunk: whole multiples of 256 columns) starts on 16 bytes.
-  const bool vec = (static_cast<std::size_t>(K) * sizeof(E)) % 16 == 0 &&
+  // 16-byte copies when every row (and every chunk: whole multiples of 256 columns) starts on 16
+  // bytes; for the MLA formats, when every row does (their codes then come 16 to a load, the
+  // rest as in the 4-byte copy).
+  const bool vec = (kCodes || (static_cast<std::size_t>(K) * sizeof(E)) % 16 == 0) &&
                    (static_cast<std::size_t>(kv.layout.row_stride) * sizeof(E)) % 16 == 0 &&
-                   (static_cast<std::size_t>(kv.layout.page_stride) * sizeof(E)) % 16 == 0 &&
-                   reinterpret_cast<std::uintptr_t>(kv.pool) % 16 == 0;
+                   (static_cast<std::size_t>(kv.layout.page_stride) * sizeof(E)) % 16 == 0 && pool_at % 16 == 0;
   const dim3 grid(static_cast<unsigned>(plan.item_count()), static_cast<unsigned>(row_blocks), static_cast<unsigned>(col_blocks));
   const int device = plan.device(), optin = plan.shared_optin();
   if (geometry.nc == 2) {

@@ -110,6 +110,13 @@ __host__ __device__ constexpr std::size_t shared_bytes(int Kp, std::size_t elem)
          3 * std::size_t{kRows} * sizeof(float) + std::size_t{kTile} * sizeof(std::int64_t);
 }
 
+/// Bytes of one element of a tile in shared memory for a cache of format T: T's own element for
+/// fp32, fp16 and bf16; fp32 for the MLA formats (fp8_e4m3_latent, int8_latent), whose codes are
+/// dequantized as they are copied in.
+template <class T> constexpr std::size_t staged_bytes() {
+  return format_traits<T>::latent_block > 0 ? sizeof(float) : sizeof(T);
+}
+
 /// Launch geometry of one call.
 struct Geometry {
   int chunk = 0, chunks = 1, Kp = 0;
@@ -176,7 +183,8 @@ class DecodePlan {
   /// after the step's last append, fork or copy-on-write), uploaded on `stream`. Throws
   /// kvattn::shape_error or invalid_argument on inconsistent arguments before any device work
   /// (the same checks as kvattn::DecodePlan::make, a head size above 512, a page table that does
-  /// not fit the cache, more work than a grid holds); cuda_error if the runtime fails. A plan
+  /// not fit the cache, more work than a grid holds, DecodeParams::int8_queries or
+  /// u8_probabilities, which the GPU kernels do not have); cuda_error if the runtime fails. A plan
   /// whose make() threw must be made again before it is used. An empty batch needs no device.
   template <class T, class M>
   void make(const PagedKvCache<T, M>& cache, const BatchPageTable& table, const GqaShape& shape, const DecodeParams& p,
@@ -185,6 +193,10 @@ class DecodePlan {
     batch_ = -1;
     const int rows = host_.prepare(op, shape, cache.layout(), p, 1);
     kvattn::DecodePlan::check_int8_math<T>(op, p);
+    if (p.int8_queries || p.u8_probabilities)
+      raise<invalid_argument>(kvattn::detail::concat(op, ": int8_queries=", p.int8_queries ? "true" : "false", " u8_probabilities=",
+                                                     p.u8_probabilities ? "true" : "false",
+                                                     ": cuda::decode scores in fp32 (the 8-bit arithmetic is the CPU kernels')"));
     if (shape.head_dim > impl::kMaxHeadDim)
       raise<shape_error>(kvattn::detail::concat(op, ": head_dim=", shape.head_dim, ": at most ", impl::kMaxHeadDim, " on the GPU"));
     const int rb = impl::gqa_row_block(impl::gqa_elements_per_thread(shape.head_dim), rows);
@@ -223,7 +235,7 @@ class DecodePlan {
     std::int64_t want = 1;
     if (table.batch() > 0) {
       const mla_impl::Geometry g =
-          mla_impl::choose_geometry(op, shape.latent_dim + shape.rope_dim, shape.latent_dim, sizeof(T), shared_optin_);
+          mla_impl::choose_geometry(op, shape.latent_dim + shape.rope_dim, shape.latent_dim, mla_impl::staged_bytes<T>(), shared_optin_);
       const std::int64_t blocks_per_item = row_blocks * mla_impl::column_blocks(shape.latent_dim, g.nc);
       want = std::max<std::int64_t>(1, (2 * std::int64_t{multiprocessors_} + blocks_per_item - 1) / blocks_per_item);
     }
