@@ -1,8 +1,9 @@
-// The instruction sets the kernel tests run, as gtest type parameters: the portable scalar path
-// and the native one (kvattn::isa::native, the build's best). A build configured with
-// KVATTN_TEST_SCALAR_PATH=OFF runs the native one only: the aarch64 preset, whose scalar path is
-// the same code the x86-64 builds test, and which is there for the NEON kernels (each kernel a
-// test file instantiates costs its compile time again per instruction set).
+// The instruction sets the kernel tests run, as gtest type parameters: the native one
+// (kvattn::isa::native, the build's best) and, in a build configured with
+// KVATTN_TEST_SCALAR_PATH=ON (the debug-sanitize preset), the portable scalar path beside it. Each
+// kernel a test file instantiates costs its compile time again per instruction set, so the other
+// builds leave the scalar path to that preset and to the scalar preset (KVATTN_FORCE_SCALAR), whose
+// native path it is.
 #pragma once
 
 #include <kvattn/config.hpp>
@@ -10,7 +11,7 @@
 #include <gtest/gtest.h>
 
 #ifndef KVATTN_TEST_SCALAR_PATH
-#define KVATTN_TEST_SCALAR_PATH 1
+#define KVATTN_TEST_SCALAR_PATH 0
 #endif
 
 namespace isa_tags {

@@ -80,11 +80,13 @@ template <class P, class Isa, class PF = kvattn::SerialFor> void check_formats(c
   if ((c.shape.head_dim & (c.shape.head_dim - 1)) == 0) check<P, kvattn::hadamard<kvattn::int8_row>, Isa>(c, pf);
 }
 
-// The scalar path and the native one; an AVX-512 build runs its AVX2 kernels too (AVX-VNNI's
-// integer dot product where the build has it, else vpmaddubsw's).
-#if KVATTN_HAS_AVX512
+// The native path (and the scalar one beside it: isa_tags.hpp); an AVX-512 build runs its AVX2
+// kernels too (AVX-VNNI's integer dot product where the build has it, else vpmaddubsw's).
+#if KVATTN_HAS_AVX512 && KVATTN_TEST_SCALAR_PATH
 using Isas = ::testing::Types<decode_check::IsaTag<kvattn::isa::scalar>, decode_check::IsaTag<kvattn::isa::avx2>,
                               decode_check::IsaTag<kvattn::isa::avx512>>;
+#elif KVATTN_HAS_AVX512
+using Isas = ::testing::Types<decode_check::IsaTag<kvattn::isa::avx2>, decode_check::IsaTag<kvattn::isa::avx512>>;
 #else
 using Isas = decode_check::Isas;
 #endif
