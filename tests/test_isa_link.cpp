@@ -14,6 +14,7 @@
 namespace isa_link {
 std::string_view baseline_isa();
 void baseline_fp32_to_bf16(const float* src, kvattn::bf16* dst, std::size_t n);
+bool baseline_richer_tags_run_its_kernels();
 }  // namespace isa_link
 
 namespace {
@@ -38,5 +39,9 @@ TEST(IsaLink, TranslationUnitsForDifferentTargetsAgree) {
   EXPECT_NE(kvattn::isa::native::name, isa_link::baseline_isa());
 #endif
 }
+
+// decode and apply_rope called with isa::avx2{} and isa::avx512{} in the baseline unit, which is
+// compiled for neither, run its scalar kernels: the same bits as with isa::scalar{}.
+TEST(IsaLink, RicherTagsRunTheUnitsOwnKernels) { EXPECT_TRUE(isa_link::baseline_richer_tags_run_its_kernels()); }
 
 }  // namespace

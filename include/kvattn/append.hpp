@@ -57,9 +57,10 @@ KVATTN_BEGIN_TARGET_NAMESPACE
 /// k / v; kvattn::capacity_error when shared pages in the range must be copied (copy-on-write,
 /// as in PagedKvCache::write) and the pool has too few free pages.
 /// `Isa` is the rotation's instruction set (apply_rope); the conversion is PagedKvCache::write's.
-template <class Isa = isa::native, class T, class M>
+template <class IsaTag = isa::native, class T, class M>
 void write_kv(PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t first, std::int64_t count, const float* k,
-              const float* v, const Rope* rope, AppendWorkspace& ws, Isa = Isa{}) {
+              const float* v, const Rope* rope, AppendWorkspace& ws, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   const PageLayout& layout = cache.layout();
   if (!cache.contains(seq)) raise<invalid_argument>(detail::concat("write_kv(seq=", seq, "): no such sequence"));
   if (layout.content != PageContent::gqa)
@@ -106,9 +107,10 @@ void write_kv(PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t firs
 /// the view's head_dim (or the view is not of a GQA-family cache), kvattn::invalid_argument for
 /// queries_per_seq < 1, q_heads < 1 or a null q with a non-empty batch; q is then untouched.
 /// Allocates nothing.
-template <class Isa = isa::native, class T>
+template <class IsaTag = isa::native, class T>
 void rotate_decode_queries(const Rope& rope, const PagedKvView<T>& kv, float* q, int queries_per_seq, int q_heads,
-                           Isa = Isa{}) {
+                           IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   if (kv.layout.content != PageContent::gqa || rope.head_dim() != kv.layout.head_dim)
     raise<shape_error>(detail::concat("rotate_decode_queries: rope head_dim=", rope.head_dim(),
                                       " does not match the view's head_dim=", kv.layout.head_dim));

@@ -126,8 +126,8 @@
 
 namespace kvattn {
 
-/// Instruction-set tags. A kernel overload for a tag exists only where the translation unit is
-/// compiled for that set; calling with a richer tag falls back to the nearest base.
+/// Instruction-set tags. A kernel for a tag exists only where the translation unit is compiled
+/// for that set; calling with a richer tag runs the nearest base's (compiled_isa_t, below).
 namespace isa {
 struct scalar {
   static constexpr std::string_view name = "scalar";
@@ -158,6 +158,30 @@ using native = scalar;
 }  // namespace isa
 
 KVATTN_BEGIN_TARGET_NAMESPACE
+/// The instruction set whose code a call tagged `Isa` runs in this translation unit: `Isa` where
+/// the unit is compiled for it, else its nearest base that the unit is compiled for (avx512, then
+/// avx2, then scalar; neon, then scalar). Every operator maps its tag through it, so that a tag
+/// richer than the unit's target (isa::avx512 in an AVX2 build) runs the target's own kernels.
+template <class Isa> struct compiled_isa {
+  using type = Isa;
+};
+#if !KVATTN_HAS_AVX2
+template <> struct compiled_isa<isa::avx2> {
+  using type = isa::scalar;
+};
+#endif
+#if !KVATTN_HAS_AVX512
+template <> struct compiled_isa<isa::avx512> {
+  using type = compiled_isa<isa::avx2>::type;
+};
+#endif
+#if !KVATTN_HAS_NEON
+template <> struct compiled_isa<isa::neon> {
+  using type = isa::scalar;
+};
+#endif
+template <class Isa> using compiled_isa_t = typename compiled_isa<Isa>::type;
+
 /// A type of this translation unit's own target. Member function templates of shared classes
 /// (PagedKvCache, say) that run SIMD code take it as a defaulted template argument, so that
 /// their symbols, too, differ between translation units built for different targets.

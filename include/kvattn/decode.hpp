@@ -611,9 +611,10 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
 /// their merge). Throws kvattn::invalid_argument or shape_error on inconsistent arguments (a plan
 /// of another batch or head layout, a policy that does not fit the call), before any work; the
 /// kernels themselves never throw or allocate.
-template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+template <class T, class PF = SerialFor, class P = Plain, class IsaTag = isa::native>
 void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
-            const P& policy = P{}, Isa = Isa{}) {
+            const P& policy = P{}, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   static_assert(format_traits<T>::latent_block == 0, "kvattn::decode: an MLA format's cache is read by mla_decode");
   const GqaShape& shape = plan.check_call<GqaShape>("decode", kv, policy, q, out, plan.policy_call());
   const int Q = plan.params().queries_per_seq, group = shape.group_size(), dim = shape.head_dim;

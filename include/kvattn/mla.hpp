@@ -307,9 +307,10 @@ MlaFolded fold(const MlaWeights& w, MlaFoldChoice choice = MlaFoldChoice::cheape
 /// not an MLA cache of the weights' widths; kvattn::invalid_argument for an unknown sequence, a
 /// layer out of range, a range outside the sequence or a null `hidden`; kvattn::capacity_error
 /// when shared pages must be copied and the pool is short (PagedKvCache::write_latent).
-template <class Isa = isa::native, class T, class M>
+template <class IsaTag = isa::native, class T, class M>
 void mla_append(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int layer, std::int64_t first,
-                std::int64_t count, const float* hidden, MlaWorkspace& ws, Isa = Isa{}) {
+                std::int64_t count, const float* hidden, MlaWorkspace& ws, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   mla_layer_impl::check_cache("mla_append", w.shape(), cache, layer);
   mla_layer_impl::check_sequence("mla_append", cache, seq);
   const std::int64_t length = cache.length(seq);
@@ -336,9 +337,10 @@ void mla_append(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq, int l
 /// MLA cache of the weights' widths; kvattn::invalid_argument for a layer out of range, an unknown
 /// or repeated sequence, a chunk longer than its sequence or a null array; kvattn::capacity_error
 /// when the pool cannot hold the copies.
-template <class Isa = isa::native, class T, class M>
+template <class IsaTag = isa::native, class T, class M>
 void mla_prefill(const MlaWeights& w, PagedKvCache<T, M>& cache, int layer, const ChunkBatch& batch, const float* hidden,
-                 float* out, MlaWorkspace& ws, Isa = Isa{}) {
+                 float* out, MlaWorkspace& ws, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   using namespace mla_layer_impl;
   constexpr const char* op = "mla_prefill";
   check_cache(op, w.shape(), cache, layer);
@@ -419,9 +421,10 @@ void prefill_sequence(const MlaWeights& w, PagedKvCache<T, M>& cache, SeqId seq,
 /// scale in its query weights, so another scale is rejected. `policy` adds a variant to the
 /// attention (policy.hpp). The projections run on the calling thread; attention through `pf`.
 /// Throws as mla_decode, and kvattn::shape_error when `f` does not match the plan's shape.
-template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+template <class T, class PF = SerialFor, class P = Plain, class IsaTag = isa::native>
 void mla_decode_layer(const MlaFolded& f, const PagedKvView<T>& kv, const float* hidden, float* out, DecodePlan& plan,
-                      MlaWorkspace& ws, PF&& pf = PF{}, const P& policy = P{}, Isa = Isa{}) {
+                      MlaWorkspace& ws, PF&& pf = PF{}, const P& policy = P{}, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   using namespace mla_layer_impl;
   constexpr const char* op = "mla_decode_layer";
   const MlaShape& s = f.shape;

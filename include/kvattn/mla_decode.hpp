@@ -265,9 +265,10 @@ void run(const char* op, const PagedKvView<T>& kv, const float* q, float* out, f
 /// pf(items, body) twice (the chunks, then their merge). Throws kvattn::invalid_argument or
 /// shape_error on inconsistent arguments, before any work; the kernels themselves never throw or
 /// allocate.
-template <class T, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+template <class T, class PF = SerialFor, class P = Plain, class IsaTag = isa::native>
 void mla_decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, PF&& pf = PF{},
-                const P& policy = P{}, Isa = Isa{}) {
+                const P& policy = P{}, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   static_assert(!format_traits<T>::row_scale && !format_traits<T>::layer_scale && !format_traits<T>::block_scale,
                 "kvattn::mla_decode: MLA caches are fp32, fp16, bf16, fp8_e4m3_latent or int8_latent");
   mla_impl::run("mla_decode", kv, q, out, lse, plan, pf, policy, plan.scale(), Isa{});

@@ -524,9 +524,10 @@ void prefill_item(const PagedKvView<T>& kv, int b, int kv_head, std::int64_t fir
 /// Throws kvattn::invalid_argument before anything is written when the plan does not fit (another
 /// cache, a cache changed since, a layer out of range), the policy does not fit the call, or an
 /// array is null.
-template <class T, class M, class PF = SerialFor, class P = Plain, class Isa = isa::native>
+template <class T, class M, class PF = SerialFor, class P = Plain, class IsaTag = isa::native>
 void prefill(PagedKvCache<T, M>& cache, int layer, const float* q, const float* k, const float* v, float* out, float* lse,
-             PrefillPlan& plan, PF&& pf = PF{}, const P& policy = P{}, Isa = Isa{}) {
+             PrefillPlan& plan, PF&& pf = PF{}, const P& policy = P{}, IsaTag = IsaTag{}) {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   static_assert(format_traits<T>::latent_block == 0, "kvattn::prefill: an MLA format's cache is filled by mla_prefill");
   plan.check("prefill", cache, layer);
   check_policy("prefill", policy, plan.policy_call());

@@ -162,9 +162,10 @@ KVATTN_ALWAYS_INLINE void rotate_gptj(float* KVATTN_RESTRICT p, const float* cs,
 /// Elements [rope.rotary_dim(), head_dim) of each head are not written. Nothing is done when
 /// tokens <= 0 or heads <= 0 (x and positions may then be null). Allocates nothing and never
 /// throws; disjoint ranges of tokens may be rotated concurrently by separate calls.
-template <class Isa = isa::native>
+template <class IsaTag = isa::native>
 void apply_rope(const Rope& rope, float* x, std::int64_t tokens, int heads, const std::int64_t* positions,
-                Isa = Isa{}) noexcept {
+                IsaTag = IsaTag{}) noexcept {
+  using Isa = compiled_isa_t<IsaTag>;  // the tag, or its nearest base this unit compiles
   if (tokens <= 0 || heads <= 0) return;
   const int D = rope.head_dim(), half = rope.rotary_dim() / 2;
   const bool neox = rope.style() == RopeStyle::neox;
