@@ -1,5 +1,6 @@
 // The AVX2 and AVX-512 kernels, whatever -march=native selects on the machine that builds them (but
-// the one it selects, whose kernels every other kernel test runs):
+// the one it selects, whose kernels every other kernel test runs, and those the machine cannot run,
+// which the build only compiles):
 // isa_kernels_avx2*.cpp are compiled with -march=x86-64-v3 and isa_kernels_avx512*.cpp with
 // -march=x86-64-v4, and this file, compiled for the x86-64 baseline, runs them where the CPU has
 // the instruction set and skips them, saying which set is missing, where it has not.
@@ -102,15 +103,18 @@ template <class Isa> class OnThisCpu : public ::testing::Test {
   }
 };
 // The build leaves out the instruction set -march=native selects, which every other kernel test
-// runs (tests/CMakeLists.txt): KVATTN_TEST_X86_AVX2 and KVATTN_TEST_X86_AVX512 say which it has.
+// runs, and the ones the machine that configured it cannot run, which it only compiles
+// (tests/CMakeLists.txt): KVATTN_TEST_X86_AVX2 and KVATTN_TEST_X86_AVX512 say which it has.
 #if !defined(KVATTN_TEST_X86_AVX2) || !defined(KVATTN_TEST_X86_AVX512)
 #error "tests/CMakeLists.txt defines KVATTN_TEST_X86_AVX2 and KVATTN_TEST_X86_AVX512"
 #elif KVATTN_TEST_X86_AVX2 && KVATTN_TEST_X86_AVX512
 using Isas = ::testing::Types<isa::avx2, isa::avx512>;
 #elif KVATTN_TEST_X86_AVX2
 using Isas = ::testing::Types<isa::avx2>;
-#else
+#elif KVATTN_TEST_X86_AVX512
 using Isas = ::testing::Types<isa::avx512>;
+#else
+#error "test_x86_isas is built only when it has kernels to run"
 #endif
 struct IsaName {
   template <class Isa> static std::string GetName(int) { return std::string(Isa::name); }
