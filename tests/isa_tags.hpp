@@ -1,9 +1,8 @@
 // The instruction sets the kernel tests run, as gtest type parameters: the native one
 // (kvattn::isa::native, the build's best) and, in a build configured with
-// KVATTN_TEST_SCALAR_PATH=ON (the debug-sanitize preset), the portable scalar path beside it. Each
-// kernel a test file instantiates costs its compile time again per instruction set, so the other
-// builds leave the scalar path to that preset and to the scalar preset (KVATTN_FORCE_SCALAR), whose
-// native path it is.
+// KVATTN_TEST_SCALAR_PATH=ON, the portable scalar path beside it. Each kernel a test file
+// instantiates costs its compile time again per instruction set, so the presets leave the scalar
+// path to the scalar preset (KVATTN_FORCE_SCALAR), whose native path it is.
 #pragma once
 
 #include <kvattn/config.hpp>
