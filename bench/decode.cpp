@@ -6,6 +6,11 @@
 //                    N = 2). The step's DecodePlan is made once, before the timing loop, for
 //                    that parallel-for (split-KV chunks chosen by the plan), and every timed call
 //                    reuses it, as every layer of an engine's step does.
+//            kvattn_compiled: the same kernels called through the compiled kernels'
+//                    dispatcher (kvattn::kernels::decode, the kvattn::kernels library: built
+//                    for the x86-64 baseline with each instruction set's unit compiled for it,
+//                    not -march=native), bf16 and fp16 rows of both shapes; the label names the
+//                    instruction set the dispatcher chose;
 //            kvattn_sinks: the same with kvattn::Sinks (one sink logit per query head, gpt-oss),
 //            kvattn_alibi: the same with kvattn::Alibi (kvattn::alibi_slopes(32), BLOOM / MPT);
 //                    gqa32x8 only, at every (C, B, N) of the plain rows, measured and reported
@@ -91,6 +96,9 @@
 #include "bench_common.hpp"
 
 #include <kvattn/decode.hpp>
+#if KVATTN_BENCH_KERNELS
+#include <kvattn/kernels.hpp>
+#endif
 #include <kvattn/memory.hpp>
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/parallel.hpp>
@@ -296,7 +304,12 @@ template <Policy P, class F> void with_policy(const std::vector<float>& values, 
     f(kvattn::Plain{});
 }
 
-template <class T, Policy Pol, bool Int8Queries = false, bool U8Probabilities = false> void bm_kvattn(benchmark::State& state, GqaShape shape) {
+/// How a kvattn row calls decode: instantiated here (kvattn/decode.hpp, for this program's flags)
+/// or through the compiled kernels' dispatcher (kvattn/kernels.hpp).
+enum class Way { header, compiled };
+
+template <class T, Policy Pol, bool Int8Queries = false, bool U8Probabilities = false, Way How = Way::header>
+void bm_kvattn(benchmark::State& state, GqaShape shape) {
   if (!have_pool(state)) return;
   Setup<T> s(state, shape);
   std::vector<float> lse(static_cast<std::size_t>(s.batch * shape.q_heads));
@@ -314,7 +327,13 @@ template <class T, Policy Pol, bool Int8Queries = false, bool U8Probabilities = 
       plan.make(s.view(0), shape, params, pf);
       start = std::chrono::steady_clock::now();
       for (auto _ : state) {
-        kvattn::decode(s.view(step++), s.q.data(), s.out.data(), lse.data(), plan, pf, policy);
+        if constexpr (How == Way::header) {
+          kvattn::decode(s.view(step++), s.q.data(), s.out.data(), lse.data(), plan, pf, policy);
+        } else {
+#if KVATTN_BENCH_KERNELS
+          kvattn::kernels::decode(s.view(step++), s.q.data(), s.out.data(), lse.data(), plan, pf, policy);
+#endif
+        }
         benchmark::ClobberMemory();
       }
     });
@@ -323,6 +342,9 @@ template <class T, Policy Pol, bool Int8Queries = false, bool U8Probabilities = 
   kvattn::bench::report_bytes(state, s.bytes);
   kvattn::bench::report_read_fraction(state, static_cast<double>(state.iterations()) * static_cast<double>(s.bytes) / seconds, s.threads);
   std::string what = "kvattn " + std::string(kvattn::isa::native::name);
+#if KVATTN_BENCH_KERNELS
+  if (How == Way::compiled) what = "kvattn compiled, " + std::string(kvattn::kernels::isa());
+#endif
   if (Pol != Policy::plain) what += std::string(", ") + policy_name(Pol);
   if (Int8Queries) what += ", int8 queries";
   if (U8Probabilities) what += ", u8 probabilities";
@@ -438,6 +460,13 @@ template <class T> void register_family(const std::string& shape_name, const Gqa
   std::vector<std::pair<benchmark::internal::Benchmark*, std::int64_t>> families;
   families.emplace_back(benchmark::RegisterBenchmark(("decode/kvattn" + suffix).c_str(), bm_kvattn<T, Policy::plain>, shape),
                         kMaxCacheBytes);
+#if KVATTN_BENCH_KERNELS
+  // The same kernels through the dispatcher, beside the rows instantiated here.
+  if constexpr (kvattn::kernels::decode_compiled<T, kvattn::Plain>)
+    families.emplace_back(benchmark::RegisterBenchmark(("decode/kvattn_compiled" + suffix).c_str(),
+                                                       bm_kvattn<T, Policy::plain, false, false, Way::compiled>, shape),
+                          kMaxCacheBytes);
+#endif
   if (policies) {
     families.emplace_back(
         benchmark::RegisterBenchmark(("decode/kvattn_sinks" + suffix).c_str(), bm_kvattn<T, Policy::sinks>, shape), kMaxCacheBytes);

@@ -189,4 +189,19 @@ void expect_decode_case_matches(const DecodeInputs<T>& in, const DecodeCase& c, 
                         [&](std::size_t b) { return policy_checks::options<P>(values, b); }, in.vmax, e_s);
 }
 
+/// Runs case `c` in format T with policy P (its values from the case) through
+/// decode(view, q, out, lse, plan, pf, policy), the plan made for `pf`'s threads, and checks it
+/// against the reference. `decode` is the operator under test (kvattn::decode with an ISA tag,
+/// kvattn::kernels::decode, ...).
+template <class T, class P, class PF, class Decode> void check_decode_case(const DecodeCase& c, PF& pf, Decode&& decode) {
+  const DecodeInputs<T> in(c);
+  std::vector<float> out = in.out(), lse = in.lse(c);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
+  const policy_checks::Values values = policy_values(c);
+  kvattn::DecodePlan plan;
+  plan.make(in.cache.view(table, 0), c.shape, decode_params(c), pf);
+  decode(in.cache.view(table, 0), in.q.data(), out.data(), lse.data(), plan, pf, policy_checks::make<P>(values));
+  expect_decode_case_matches<P>(in, c, values, out, lse);
+}
+
 }  // namespace checks

@@ -27,14 +27,10 @@ using Case = checks::DecodeCase;
 template <class P, class T, class Isa, class PF>
 void check(const Case& c, PF&& pf) {
   SCOPED_TRACE(describe(c) + " storage=" + std::string(kvattn::format_traits<T>::name) + " isa=" + std::string(Isa::name));
-  const checks::DecodeInputs<T> in(c);
-  std::vector<float> out = in.out(), lse = in.lse(c);
-  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  const policy_checks::Values values = checks::policy_values(c);
-  kvattn::DecodePlan plan;
-  plan.make(in.cache.view(table, 0), c.shape, checks::decode_params(c), pf);
-  kvattn::decode(in.cache.view(table, 0), in.q.data(), out.data(), lse.data(), plan, pf, policy_checks::make<P>(values), Isa{});
-  checks::expect_decode_case_matches<P>(in, c, values, out, lse);
+  checks::check_decode_case<T, P>(c, pf, [](const auto& kv, const float* q, float* out, float* lse, kvattn::DecodePlan& plan,
+                                            auto& parallel_for, const P& policy) {
+    kvattn::decode(kv, q, out, lse, plan, parallel_for, policy, Isa{});
+  });
 }
 
 /// check for fp32, fp16 and bf16 storage, and on the native ISA also int8_row, fp8_e4m3_row and,

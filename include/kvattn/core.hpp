@@ -66,27 +66,6 @@ inline float softmax_scale(float scale, int qk_dim) noexcept {
   return scale > 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(qk_dim));
 }
 
-namespace detail {
-template <class PF, class = void> struct tells_threads : std::false_type {};
-template <class PF>
-struct tells_threads<PF, std::void_t<decltype(static_cast<int>(std::declval<const PF&>().threads()))>> : std::true_type {};
-}  // namespace detail
-
-/// The threads a parallel-for runs on, where it can tell: its threads() (ThreadPool, or any
-/// parallel-for of the engine's with that member), 1 for SerialFor, and this machine's hardware
-/// threads for any other.
-template <class PF> int threads_of(const PF& pf) noexcept {
-  using P = std::decay_t<PF>;
-  if constexpr (std::is_same_v<P, SerialFor>) {
-    return 1;
-  } else if constexpr (detail::tells_threads<P>::value) {
-    return std::max(1, static_cast<int>(pf.threads()));
-  } else {
-    (void)pf;
-    return hardware_threads();
-  }
-}
-
 /// The head-size dispatch: calls f(std::integral_constant<int, D>{}) with D = the head size for
 /// the sizes whose loops are compiled with a constant length (64, 128, 256), and D = 0 (the size
 /// read at run time) for every other.

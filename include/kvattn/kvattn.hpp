@@ -20,6 +20,7 @@
 #include "append.hpp"
 #include "mla_decode.hpp"
 #include "mla.hpp"
+#include "kernels.hpp"  // the compiled kernels: declarations, defined by the kvattn::kernels library
 
 // The CUDA specializations, only in a translation unit compiled by nvcc with KVATTN_ENABLE_CUDA=1
 // (the kvattn::cuda CMake target): an engine that never compiles CUDA never sees them.

@@ -109,4 +109,62 @@ class ThreadPool {
   std::atomic<std::int64_t> next_{0};
 };
 
+namespace detail {
+template <class PF, class = void> struct tells_threads : std::false_type {};
+template <class PF>
+struct tells_threads<PF, std::void_t<decltype(static_cast<int>(std::declval<const PF&>().threads()))>> : std::true_type {};
+}  // namespace detail
+
+/// The threads a parallel-for runs on, where it can tell: its threads() (ThreadPool, or any
+/// parallel-for of the engine's with that member), 1 for SerialFor, and this machine's hardware
+/// threads for any other.
+template <class PF> int threads_of(const PF& pf) noexcept {
+  using P = std::decay_t<PF>;
+  if constexpr (std::is_same_v<P, SerialFor>) {
+    return 1;
+  } else if constexpr (detail::tells_threads<P>::value) {
+    return std::max(1, static_cast<int>(pf.threads()));
+  } else {
+    (void)pf;
+    return hardware_threads();
+  }
+}
+
+/// A parallel-for passed by reference through a function that is not a template (the compiled
+/// kernels, kvattn/kernels.hpp): it refers to `pf` (which must outlive it) and forwards each call,
+/// the body passed as a pointer and a function. It tells pf's threads (threads_of: pf.threads()
+/// where pf has it, 1 for SerialFor, this machine's hardware threads for any other). A
+/// default-made one runs items on the calling thread, like SerialFor.
+class ParallelForRef {
+ public:
+  ParallelForRef() noexcept = default;
+  template <class PF, class = std::enable_if_t<!std::is_same_v<std::decay_t<PF>, ParallelForRef>>>
+  ParallelForRef(PF& pf) noexcept  // implicit: it stands where a parallel-for is taken
+      : pf_(const_cast<void*>(static_cast<const void*>(&pf))),
+        threads_(threads_of(pf)),
+        run_([](void* f, std::int64_t n, void* body, Call call) {
+          (*static_cast<PF*>(f))(n, [body, call](std::int64_t i) { call(body, i); });
+        }) {}
+
+  int threads() const noexcept { return threads_; }
+
+  template <class Body> void operator()(std::int64_t n, Body&& body) const {
+    using B = std::remove_reference_t<Body>;
+    void* b = const_cast<void*>(static_cast<const void*>(&body));
+    const Call call = [](void* f, std::int64_t i) { (*static_cast<B*>(f))(i); };
+    if (run_ == nullptr) {
+      for (std::int64_t i = 0; i < n; ++i) call(b, i);
+    } else {
+      run_(pf_, n, b, call);
+    }
+  }
+
+ private:
+  using Call = void (*)(void*, std::int64_t);
+
+  void* pf_ = nullptr;
+  int threads_ = 1;
+  void (*run_)(void*, std::int64_t, void*, Call) = nullptr;
+};
+
 }  // namespace kvattn
