@@ -209,10 +209,13 @@ KVATTN_ALWAYS_INLINE void int8_scores(const T* const* keys, const T* const* ahea
 }
 
 /// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
-/// accumulators stay in registers). keys[t]: token t's key row [dim], its value row at
-/// keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit, whose key and
-/// value rows are prefetched as the scores and the values of token t are computed (ahead null:
-/// none).
+/// accumulators stay in registers). A function of its own (not inlined into decode_item, which
+/// calls one per row count): the compiler then optimizes each alone, in half the compile time,
+/// and a call per tile costs nothing beside the tile's work. run_dim: the head size (HeadDim
+/// where that is not 0); qr_in, o_in: qr and o below. keys[t]: token t's key row [dim], its
+/// value row at keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit,
+/// whose key and value rows are prefetched as the scores and the values of token t are computed
+/// (ahead null: none).
 /// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
 /// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
 /// Formats with a scale per row (format.hpp): ks[t], vs[t] are token t's key and value scales
@@ -229,14 +232,23 @@ KVATTN_ALWAYS_INLINE void int8_scores(const T* const* keys, const T* const* ahea
 ///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
 ///      token and shared by every row.
 template <class Isa, int HeadDim, int NR, bool Int8Q, class P, class T, class QT>
-KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key,
-                                      int n, std::int64_t t0, int dim, const QT* const* qr, const QueryRow* rows,
-                                      float* const* o, float scale, const P& policy, const float* ks,
-                                      const float* vs, const TileBlockScales* bs, const float* q_scale, const float* q_offset,
-                                      bool u8p) noexcept {
+KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key, int n,
+                                 std::int64_t t0, int run_dim, const QT* const* qr_in, const QueryRow* rows,
+                                 float* const* o_in, float scale, const P& policy, const float* ks, const float* vs,
+                                 const TileBlockScales* bs, const float* q_scale, const float* q_offset,
+                                 bool u8p) noexcept {
   constexpr bool kRowScale = format_traits<T>::row_scale;
   constexpr bool kBlockScale = format_traits<T>::block_scale;
   constexpr int U = format_traits<T>::values_per_unit;
+  const int dim = HeadDim > 0 ? HeadDim : run_dim;  // a constant for the head sizes compiled for
+  // The rows' pointers as locals: the compiler then knows that no store of the tile changes them,
+  // and keeps them in registers rather than reading the caller's arrays again at every use.
+  const QT* qr[NR];
+  float* o[NR];
+  for (int r = 0; r < NR; ++r) {
+    qr[r] = qr_in[r];
+    o[r] = o_in[r];
+  }
   const int blocks = kBlockScale ? dim / format_traits<T>::block : 0;  // block scales per row
   const float* kdm = kBlockScale ? bs->k : nullptr;
   const float* vdm = kBlockScale ? bs->v : nullptr;
@@ -350,11 +362,14 @@ KVATTN_ALWAYS_INLINE void decode_tile(const T* const* keys, const T* const* ahea
   // multiply-adds' latency is covered even for one row.
   constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
-  int c = 0;
-  for (; c + CP <= pairs; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
-  for (; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
+  // (The pairs of a head size compiled for are counted at compile time: no loop over the pairs
+  // left after the blocks of CP where there are none.)
+  const int whole = HeadDim > 0 ? HeadDim / W2 / CP * CP : pairs / CP * CP;
+  for (int c = 0; c < whole; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
+  if constexpr (HeadDim == 0 || HeadDim / W2 % CP != 0)
+    for (int c = whole; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
   if constexpr (!kBlockScale) {  // the columns after the pairs (none where head_dim is whole blocks)
-    for (c = rest; c < dim; c += W) {  // whole vectors, then the partial one
+    for (int c = rest; c < dim; c += W) {  // whole vectors, then the partial one
       const int width = std::min(W, dim - c);
       Vec a[NR];
       KVATTN_UNROLL for (int r = 0; r < NR; ++r)
