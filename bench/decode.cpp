@@ -100,11 +100,10 @@
 #include <kvattn/kernels.hpp>
 #endif
 #include <kvattn/memory.hpp>
+#include <kvattn/eigen.hpp>
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/parallel.hpp>
 #include <kvattn/policy.hpp>
-
-#include <Eigen/Core>
 
 #include <algorithm>
 #include <chrono>
@@ -369,7 +368,9 @@ struct EigenScratch {
 /// Query head h of sequence b: out [head_dim] = softmax(scale · K q) V, K and V of KV head h / group.
 template <class T>
 void eigen_attend(const PagedKvView<T>& kv, int b, int h, int group, const float* q, float* out, EigenScratch& s) {
-  using Block = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+  // Eigen's own 16-bit types (the same bytes as kvattn's), so that Eigen converts them its way.
+  using E = std::remove_const_t<std::remove_pointer_t<decltype(as_eigen(std::declval<const T*>()))>>;
+  using Block = Eigen::Matrix<E, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
   const int dim = kv.layout.head_dim, P = kv.layout.page_size, kv_head = h / group;
   const std::int64_t L = kv.length(b);
   s.k.resize(L, dim);
@@ -378,8 +379,8 @@ void eigen_attend(const PagedKvView<T>& kv, int b, int h, int group, const float
   for (std::int64_t t0 = 0; t0 < L; t0 += P) {  // a page holds [page_size][head_dim] per head
     const auto n = static_cast<Eigen::Index>(std::min<std::int64_t>(P, L - t0));
     const T* page = kv.page(pages[t0 / P]);
-    s.k.middleRows(t0, n) = Eigen::Map<const Block>(page + kv.layout.key(kv_head, 0), n, dim).template cast<float>();
-    s.v.middleRows(t0, n) = Eigen::Map<const Block>(page + kv.layout.value(kv_head, 0), n, dim).template cast<float>();
+    s.k.middleRows(t0, n) = Eigen::Map<const Block>(as_eigen(page + kv.layout.key(kv_head, 0)), n, dim).template cast<float>();
+    s.v.middleRows(t0, n) = Eigen::Map<const Block>(as_eigen(page + kv.layout.value(kv_head, 0)), n, dim).template cast<float>();
   }
   const Eigen::Map<const Eigen::VectorXf> qv(q, dim);
   s.p.noalias() = s.k * qv;

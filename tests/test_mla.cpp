@@ -25,6 +25,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"  // the same, as -O1 and -O2 report it
 #endif
 
+#include <kvattn/eigen.hpp>
 #include <kvattn/mla.hpp>
 
 #include <gtest/gtest.h>
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <string>
@@ -639,5 +641,41 @@ TEST(MlaFold, ChoosesTheCheaperSideAndFoldsTheScale) {
         EXPECT_NEAR(fs.q_absorb(i * 4 + c, x), sum * scale, 1e-7 * (1 + std::abs(sum)));
       }
 }
+
+// kvattn/eigen.hpp: kvattn's 16-bit types against Eigen's, an implementation of its own. Every
+// bit pattern goes across and back unchanged and widens to the same float; every float narrows
+// to the same bits (NaNs: a NaN of the same sign, as fp16 promises no payload).
+template <class K, class E> void check_against_eigen() {
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const K k = K::from_bits(static_cast<std::uint16_t>(b));
+    const E e = kvattn::to_eigen(k);
+    ASSERT_EQ(kvattn::from_eigen(e).bits, k.bits) << b;
+    const float kf = static_cast<float>(k), ef = static_cast<float>(e);
+    if (std::isnan(ef)) {
+      ASSERT_TRUE(std::isnan(kf)) << b;
+    } else {
+      ASSERT_EQ(kf, ef) << b;
+      ASSERT_EQ(std::signbit(kf), std::signbit(ef)) << b;
+    }
+    ASSERT_EQ(kvattn::as_kvattn(kvattn::as_eigen(&k)), &k);
+  }
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<std::uint32_t> bits;
+  for (int i = 0; i < 1 << 20; ++i) {
+    std::uint32_t u = bits(rng);
+    if (i % 4 == 0) u = (u & 0x87ffffffu) | 0x30000000u;  // near the 16-bit formats' ranges
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    const K k(x);
+    const K e = kvattn::from_eigen(E(x));
+    if (std::isnan(x)) {
+      ASSERT_TRUE(std::isnan(static_cast<float>(k)) && std::signbit(static_cast<float>(k)) == std::signbit(x)) << u;
+    } else {
+      ASSERT_EQ(k.bits, e.bits) << u;
+    }
+  }
+}
+TEST(EigenInterop, Fp16MatchesEigenHalf) { check_against_eigen<fp16, Eigen::half>(); }
+TEST(EigenInterop, Bf16MatchesEigenBfloat16) { check_against_eigen<bf16, Eigen::bfloat16>(); }
 
 }  // namespace

@@ -218,6 +218,22 @@ struct elementwise {
   }
 };
 
+/// The types' own conversions, T(float) and static_cast<float>(T): portable integer code, where
+/// to_float / from_float use the instruction set's (F16C on x86-64 with AVX2).
+struct members {
+  static constexpr std::string_view name = "members";
+  static constexpr bool available = true;
+  static std::string why_unavailable() { return {}; }
+  template <class T> static float widen(T x) { return static_cast<float>(x); }
+  template <class S, class D> static void run(const S* src, D* dst, std::size_t n) {
+    for (std::size_t i = 0; i < n; ++i) {
+      if constexpr (std::is_same_v<S, D>) dst[i] = src[i];
+      else if constexpr (std::is_same_v<D, float>) dst[i] = widen(src[i]);
+      else dst[i] = D(widen(src[i]));
+    }
+  }
+};
+
 /// convert_row(Tag{}, src, dst, n).
 template <class Tag> struct bulk {
   static constexpr std::string_view name = Tag::name;
@@ -600,7 +616,7 @@ template <class Path> class StoragePath : public ::testing::Test {
   }
 };
 
-using Paths = ::testing::Types<elementwise, bulk<isa::scalar>, bulk<isa::avx2>, bulk<isa::avx512>, bulk<isa::neon>, native_bulk>;
+using Paths = ::testing::Types<elementwise, members, bulk<isa::scalar>, bulk<isa::avx2>, bulk<isa::avx512>, bulk<isa::neon>, native_bulk>;
 struct PathName {
   template <class Path> static std::string GetName(int) { return std::string(Path::name); }
 };

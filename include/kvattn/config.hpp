@@ -128,22 +128,28 @@ namespace kvattn {
 
 /// Instruction-set tags. A kernel for a tag exists only where the translation unit is compiled
 /// for that set; calling with a richer tag runs the nearest base's (compiled_isa_t, below).
+/// Each names its set, its fp32 lanes per vector, and the vector registers the kernels plan
+/// their register blocks around (rows and accumulators held at once): a new set states its own.
 namespace isa {
 struct scalar {
   static constexpr std::string_view name = "scalar";
   static constexpr int f32_lanes = 1;
+  static constexpr int vector_registers = 16;  // x86-64's SSE registers, the fewest of the targets
 };
 struct avx2 : scalar {
   static constexpr std::string_view name = "avx2";
   static constexpr int f32_lanes = 8;
+  static constexpr int vector_registers = 16;
 };
 struct avx512 : avx2 {
   static constexpr std::string_view name = "avx512";
   static constexpr int f32_lanes = 16;
+  static constexpr int vector_registers = 32;
 };
 struct neon : scalar {
   static constexpr std::string_view name = "neon";
   static constexpr int f32_lanes = 4;
+  static constexpr int vector_registers = 32;
 };
 
 #if KVATTN_HAS_AVX512

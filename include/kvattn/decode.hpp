@@ -45,6 +45,7 @@
 #include "shape.hpp"
 #include "simd.hpp"
 #include "state.hpp"
+#include "tile.hpp"
 
 namespace kvattn {
 
@@ -55,8 +56,8 @@ namespace decode_impl {  // (not "detail": that name is kvattn::detail's)
 /// the L1 cache, by every query row of the group.
 inline constexpr int kDecodeTile = 32;
 /// Query rows whose accumulators stay in registers together: two vectors per row in the
-/// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16 (AVX2).
-template <class Isa> constexpr int decode_row_block() { return std::is_same_v<Isa, isa::avx2> ? 4 : 8; }
+/// value pass, so 8 rows where there are 32 vector registers and 4 where there are 16.
+template <class Isa> constexpr int decode_row_block() { return Isa::vector_registers >= 32 ? 8 : 4; }
 using decode_layout::partial_row_floats;
 /// Tokens of a span (see Span).
 inline constexpr int kDecodeSpan = decode_layout::kGqaSpan;
@@ -360,11 +361,11 @@ KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, st
   // 3. o = alpha · o + Σ_t p_t v_t, CP pairs of vectors of columns at a time: NR · 2 · CP
   // independent accumulators, as many as half the vector registers hold, so that the
   // multiply-adds' latency is covered even for one row.
-  constexpr int kAccumulators = std::is_same_v<Isa, isa::avx2> ? 8 : 16;
+  constexpr int kAccumulators = Isa::vector_registers / 2;
   constexpr int CP = NR * 8 <= kAccumulators ? 4 : NR * 4 <= kAccumulators ? 2 : 1;
   // (The pairs of a head size compiled for are counted at compile time: no loop over the pairs
   // left after the blocks of CP where there are none.)
-  const int whole = HeadDim > 0 ? HeadDim / W2 / CP * CP : pairs / CP * CP;
+  const int whole = pairs / CP * CP;
   for (int c = 0; c < whole; c += CP) pv_pairs<Isa, NR, CP>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);
   if constexpr (HeadDim == 0 || HeadDim / W2 % CP != 0)
     for (int c = whole; c < pairs; ++c) pv_pairs<Isa, NR, 1>(keys, ahead, value_minus_key, n, c * W2, s, alpha, o, vdm, blocks);

@@ -30,8 +30,6 @@
 // positive; kvattn's own programs that include this header turn those warnings off.)
 #pragma once
 
-#include <Eigen/Core>
-
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -39,6 +37,7 @@
 #include <vector>
 
 #include "config.hpp"
+#include "eigen.hpp"  // <Eigen/Core>, and kvattn's 16-bit types beside Eigen's
 #include "core.hpp"
 #include "error.hpp"
 #include "mla_decode.hpp"

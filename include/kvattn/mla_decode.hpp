@@ -42,6 +42,7 @@
 #include "shape.hpp"
 #include "simd.hpp"
 #include "state.hpp"
+#include "tile.hpp"
 #include "storage.hpp"
 
 namespace kvattn {
@@ -54,9 +55,9 @@ using Dims = decode_layout::Mla;
 /// Register blocks. Scores: score_rows() query rows × kScoreTokens tokens, one accumulator vector
 /// each (lanes along the inner dimension, summed lanes-wise at the end with Vec::sum_each).
 /// Values: rows_block() rows × kVecs vectors of columns (lanes along the latent). 16 accumulators
-/// where there are 32 vector registers, 8 on AVX2.
-template <class Isa> constexpr int rows_block() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
-template <class Isa> constexpr int score_rows() { return std::is_same_v<Isa, isa::avx2> ? 2 : 4; }
+/// where there are 32 vector registers, 8 where there are 16.
+template <class Isa> constexpr int rows_block() { return Isa::vector_registers >= 32 ? 4 : 2; }
+template <class Isa> constexpr int score_rows() { return Isa::vector_registers >= 32 ? 4 : 2; }
 inline constexpr int kScoreTokens = 4;
 inline constexpr int kVecs = 4;
 /// Tokens of the tile scored against every row block before the next ones.

@@ -308,7 +308,7 @@ KVATTN_NOINLINE void tile_values(const float* KVATTN_RESTRICT pr, const float* K
                                  const float* KVATTN_RESTRICT vf, int dim, float* KVATTN_RESTRICT o) noexcept {
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes;
-  constexpr int R = std::is_same_v<Isa, isa::avx2> ? 4 : (W < 8 ? W : 8);  // 16 vector registers on AVX2
+  constexpr int R = std::min(W, Isa::vector_registers / 4);  // rows of lanes: 4 where there are 16 registers, 8 with 32
   if constexpr (HeadDim > 0) dim = HeadDim;
   for (int l0 = 0; l0 < W; l0 += R, o += std::int64_t{R} * dim) {
     const float* prl = pr + l0;

@@ -1,6 +1,7 @@
 // kvattn/storage.hpp — storage element types (fp32, fp16, bf16) and bulk row conversion.
 //
-// Types: kvattn::fp32 = float, kvattn::fp16 = Eigen::half, kvattn::bf16 = Eigen::bfloat16;
+// Types: kvattn::fp32 = float; kvattn::fp16 (IEEE 754 binary16) and kvattn::bf16 (bfloat16),
+// 16-bit values with conversions only (kvattn/eigen.hpp converts Eigen::half / Eigen::bfloat16).
 // storage_traits<T> gives each one's name, bits and bytes.
 //
 // convert_row(tag, src, dst, n) converts n elements between any two of them. The tag is an
@@ -17,7 +18,7 @@
 //    IEEE 754 says (in the default floating-point environment: no flush-to-zero or
 //    denormals-are-zero; the bf16 paths are integer arithmetic and do not depend on it);
 //  - NaN stays NaN with its sign. fp16: the payload is not guaranteed. bf16: a NaN becomes the
-//    canonical quiet NaN of its sign (0x7FC0 / 0xFFC0), exactly as Eigen's scalar conversion;
+//    canonical quiet NaN of its sign (0x7FC0 / 0xFFC0);
 //  - between fp16 and bf16 the value goes through fp32 (exact) and is rounded once; converting
 //    a type to itself copies the bits;
 //  - bulk and element-wise (to_float / from_float) results are identical bit for bit, except
@@ -32,20 +33,9 @@
 #include <string_view>
 #include <type_traits>
 
-#if defined(__NVCC__)
-// nvcc warns (20012) that Eigen's defaulted constructors carry __host__ __device__; harmless,
-// and it would stop a CUDA translation unit built with warnings as errors.
-#pragma nv_diagnostic push
-#pragma nv_diag_suppress 20012
-#endif
-#include <Eigen/Core>
-#if defined(__NVCC__)
-#pragma nv_diagnostic pop
-#endif
-
 #include "config.hpp"
 
-#if KVATTN_HAS_AVX2 || KVATTN_HAS_AVX512
+#if KVATTN_HAS_AVX2 || KVATTN_HAS_AVX512 || defined(__F16C__)
 #include <immintrin.h>
 #endif
 #if KVATTN_HAS_NEON
@@ -55,11 +45,88 @@
 namespace kvattn {
 
 using fp32 = float;
-using fp16 = Eigen::half;
-using bf16 = Eigen::bfloat16;
+
+namespace detail {
+/// fp32 -> IEEE 754 binary16 bits: round to nearest, ties to even, in integers (no dependence
+/// on the floating-point environment). Past the largest finite value: +-infinity. A NaN stays a
+/// NaN of its sign, made quiet, with the top bits of its payload (as F16C and Arm convert).
+constexpr std::uint16_t fp16_bits_from_fp32_bits(std::uint32_t x) noexcept {
+  const std::uint32_t sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
+  if (a > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((a >> 13) & 0x3ffu));
+  if (a >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520: rounds to infinity
+  if (a >= 0x38800000u) {                                                   // >= 2^-14: a normal result
+    const std::uint32_t r = a - 0x38000000u;                                // exponent bias 127 -> 15
+    return static_cast<std::uint16_t>(sign | ((r + 0xfffu + ((r >> 13) & 1u)) >> 13));
+  }
+  // A subnormal result: k * 2^-24, k = (1.m * 2^(e - 127)) / 2^-24 = mant >> (126 - e), rounded.
+  const int shift = 126 - static_cast<int>(a >> 23);  // 14 or more
+  if (shift > 24) return static_cast<std::uint16_t>(sign);  // below 2^-25: rounds to zero
+  const std::uint32_t mant = (a & 0x7fffffu) | 0x800000u, half = 1u << (shift - 1);
+  const std::uint32_t k = mant >> shift, rest = mant & ((half << 1) - 1u);
+  return static_cast<std::uint16_t>(sign | (k + (rest > half || (rest == half && (k & 1u)) ? 1u : 0u)));
+}
+/// IEEE 754 binary16 bits -> fp32 bits (exact; a NaN keeps its sign and payload).
+constexpr std::uint32_t fp32_bits_from_fp16_bits(std::uint16_t h) noexcept {
+  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  if (e == 0x1fu) return sign | 0x7f800000u | (m << 13);
+  if (e != 0) return sign | ((e + 112u) << 23) | (m << 13);
+  if (m == 0) return sign;
+  int shift = 0;  // a subnormal: normalize m * 2^-24
+  std::uint32_t n = m;
+  while ((n & 0x400u) == 0) n <<= 1, ++shift;
+  return sign | ((113u - static_cast<std::uint32_t>(shift)) << 23) | ((n & 0x3ffu) << 13);
+}
+/// fp32 bits -> bfloat16 bits: round to nearest, ties to even; a NaN becomes 0x7FC0 | sign.
+constexpr std::uint16_t bf16_bits_from_fp32_bits(std::uint32_t x) noexcept {
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>(((x >> 16) & 0x8000u) | 0x7fc0u);
+  return static_cast<std::uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+inline std::uint32_t float_bits(float x) noexcept {
+  std::uint32_t b;
+  std::memcpy(&b, &x, sizeof b);
+  return b;
+}
+inline float bits_float(std::uint32_t b) noexcept {
+  float x;
+  std::memcpy(&x, &b, sizeof x);
+  return x;
+}
+}  // namespace detail
+
+/// IEEE 754 binary16: 16 bits and nothing else, so an array of fp16 has the layout of an array
+/// of _Float16, __half, Eigen::half or ggml_fp16_t (kvattn/eigen.hpp converts Eigen's types).
+/// Only conversions, no arithmetic: fp16(x) rounds a float to nearest, ties to even, and
+/// static_cast<float>(h) is exact (the contract at the top of this file).
+struct fp16 {
+  std::uint16_t bits;
+  fp16() = default;
+  explicit fp16(float x) noexcept : bits(detail::fp16_bits_from_fp32_bits(detail::float_bits(x))) {}
+  explicit operator float() const noexcept { return detail::bits_float(detail::fp32_bits_from_fp16_bits(bits)); }
+  static constexpr fp16 from_bits(std::uint16_t b) noexcept {
+    fp16 h{};
+    h.bits = b;
+    return h;
+  }
+};
+
+/// bfloat16 (fp32's top 16 bits), with the same layout promise and conversions as fp16.
+struct bf16 {
+  std::uint16_t bits;
+  bf16() = default;
+  explicit bf16(float x) noexcept : bits(detail::bf16_bits_from_fp32_bits(detail::float_bits(x))) {}
+  explicit operator float() const noexcept { return detail::bits_float(std::uint32_t{bits} << 16); }
+  static constexpr bf16 from_bits(std::uint16_t b) noexcept {
+    bf16 h{};
+    h.bits = b;
+    return h;
+  }
+};
 
 static_assert(sizeof(fp16) == 2 && sizeof(bf16) == 2 && sizeof(fp32) == 4,
               "kvattn: fp16/bf16 must be 2 bytes and float 4 bytes");
+static_assert(std::is_trivially_copyable_v<fp16> && std::is_trivially_copyable_v<bf16> &&
+                  std::is_standard_layout_v<fp16> && std::is_standard_layout_v<bf16>,
+              "kvattn: fp16/bf16 must be plain 16-bit values");
 
 /// Name, width in bits and size in bytes of a storage element type.
 template <class T> struct storage_traits;
@@ -86,8 +153,14 @@ inline constexpr bool is_storage_type_v =
 
 KVATTN_BEGIN_TARGET_NAMESPACE
 
-/// One element to fp32 (exact).
-inline float to_float(fp16 x) noexcept { return static_cast<float>(x); }
+/// One element to fp32 (exact). The F16C instruction where this unit is compiled for it.
+inline float to_float(fp16 x) noexcept {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  return static_cast<float>(x);
+#endif
+}
 inline float to_float(bf16 x) noexcept { return static_cast<float>(x); }
 inline float to_float(float x) noexcept { return x; }
 
@@ -96,6 +169,11 @@ template <class T> T from_float(float x) noexcept {
   static_assert(is_storage_type_v<T>, "kvattn::from_float: T must be fp32, fp16 or bf16");
   if constexpr (std::is_same_v<T, float>) {
     return x;
+#if defined(__F16C__)
+  } else if constexpr (std::is_same_v<T, fp16>) {
+    // (_mm_cvtps_ph, not the _cvtss_sh macro: clang's expands to a compound literal.)
+    return fp16::from_bits(static_cast<std::uint16_t>(_mm_extract_epi16(_mm_cvtps_ph(_mm_set_ss(x), _MM_FROUND_TO_NEAREST_INT), 0)));
+#endif
   } else {
     return T(x);
   }
