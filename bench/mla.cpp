@@ -10,6 +10,10 @@
 //   mla/folded/fp8_latent/..., mla/folded/int8_latent/...   the same over a cache of an MLA
 //       format (format.hpp: the latent in fp8 e4m3 or int8 in blocks of 128 with an fp32 scale
 //       each, the rotary key in bf16; 656 bytes per token), beside bf16's rows.
+//   mla/folded_compiled/bf16/..., mla/folded_compiled/fp8_latent/...   the same kernels called
+//       through the compiled kernels' dispatcher (kvattn::kernels::mla_decode, the
+//       kvattn::kernels library: built with the benchmarks where KVATTN_BUILD_KERNELS is on),
+//       labelled with the instruction set it chose.
 //   mla/unfolded/bf16/ctx:C/batch:1/threads:N   the same step the unfolded way: every token's
 //       per-head key (W_UK,i c) and value (W_UV,i c) rebuilt from its latent with Eigen
 //       (matrix products), then each head's attention; heads shared out among the threads.
@@ -34,6 +38,9 @@
 
 #include <kvattn/decode.hpp>
 #include <kvattn/mla_decode.hpp>
+#if KVATTN_BENCH_KERNELS
+#include <kvattn/kernels.hpp>
+#endif
 #include <kvattn/paged_cache.hpp>
 #include <kvattn/parallel.hpp>
 
@@ -124,7 +131,11 @@ double folded_flops(std::int64_t batch, std::int64_t ctx) {
   return 2.0 * double(batch) * double(ctx) * kShape.heads * (kK + kShape.latent_dim);
 }
 
-template <class T = bf16> void bm_folded(benchmark::State& state) {
+/// How bm_folded calls mla_decode: instantiated here (kvattn/mla_decode.hpp, for this program's
+/// flags) or through the compiled kernels' dispatcher (kvattn/kernels.hpp).
+enum class Way { header, compiled };
+
+template <class T = bf16, Way How = Way::header> void bm_folded(benchmark::State& state) {
   const std::int64_t ctx = state.range(0), batch = state.range(1);
   const int threads = static_cast<int>(state.range(2));
   const auto& f = Filled<MlaShape, T>::get(kShape, ctx, batch);
@@ -134,12 +145,23 @@ template <class T = bf16> void bm_folded(benchmark::State& state) {
   with_parallel_for(threads, [&](auto&& pf) {
     plan.make(f.view(), kShape, kvattn::DecodeParams{}, pf);  // the step's plan, once
     for (auto _ : state) {
-      kvattn::mla_decode(f.view(), q.data(), out.data(), nullptr, plan, pf);
+      if constexpr (How == Way::header) {
+        kvattn::mla_decode(f.view(), q.data(), out.data(), nullptr, plan, pf);
+      } else {
+#if KVATTN_BENCH_KERNELS
+        kvattn::kernels::mla_decode(f.view(), q.data(), out.data(), nullptr, plan, pf);
+#endif
+      }
       benchmark::ClobberMemory();
     }
   });
   kvattn::bench::report_flops(state, folded_flops(batch, ctx));
   kvattn::bench::report_bytes(state, batch * ctx * f.cache->layout().token_bytes());
+  std::string label(kvattn::isa::native::name);
+#if KVATTN_BENCH_KERNELS
+  if (How == Way::compiled) label = "compiled, " + std::string(kvattn::kernels::isa());
+#endif
+  state.SetLabel(label);
 }
 
 /// One step the unfolded way, for one sequence: latents to fp32, then per head: keys and values
@@ -220,11 +242,19 @@ const bool registered = [] {
   auto* int8 = benchmark::RegisterBenchmark("mla/folded/int8_latent", bm_folded<kvattn::int8_latent>);
   auto* unfolded = benchmark::RegisterBenchmark("mla/unfolded/bf16", bm_unfolded);
   auto* mha = benchmark::RegisterBenchmark("mla/mha128/bf16", bm_mha);
-  for (auto* b : {folded, fp8, int8, unfolded, mha}) setup(b);
+  std::vector<benchmark::internal::Benchmark*> folded_rows{folded, fp8, int8};
+#if KVATTN_BENCH_KERNELS
+  // The same kernels through the dispatcher, beside the rows instantiated here.
+  folded_rows.push_back(benchmark::RegisterBenchmark("mla/folded_compiled/bf16", bm_folded<bf16, Way::compiled>));
+  folded_rows.push_back(
+      benchmark::RegisterBenchmark("mla/folded_compiled/fp8_latent", bm_folded<kvattn::fp8_e4m3_latent, Way::compiled>));
+#endif
+  for (auto* b : folded_rows) setup(b);
+  for (auto* b : {unfolded, mha}) setup(b);
   for (int batch : kBatches)
     for (std::int64_t ctx : kContexts)
       for (int threads : kThreads) {
-        for (auto* b : {folded, fp8, int8}) b->Args({ctx, batch, threads});
+        for (auto* b : folded_rows) b->Args({ctx, batch, threads});
         if (batch * ctx * std::int64_t{128 * 128 * 2 * 2} <= kMhaMaxBytes) mha->Args({ctx, batch, threads});
       }
   for (std::int64_t ctx : kUnfoldedContexts)

@@ -7,6 +7,10 @@
 //       layer scales are 1). The step's
 //       PrefillPlan is made once, before the timing loop (as an engine makes it once per step
 //       for every layer); each timed call writes the layer's K/V and attends.
+//   prefill/kvattn_compiled/<dtype>/tokens:N/threads:T   the same kernels called through the
+//       compiled kernels' dispatcher (kvattn::kernels::prefill, the kvattn::kernels library:
+//       built with the benchmarks where KVATTN_BUILD_KERNELS is on), labelled with the
+//       instruction set it chose
 //   prefill/eigen/<dtype>/tokens:N/threads:T    the same attention as a user would write it with
 //       Eigen: per query head, S = Q·Kᵀ (N × N, materialized), causal mask, row softmax, O = P·V
 //       (Eigen's GEMMs; heads shared over the threads).
@@ -24,6 +28,9 @@
 #include "bench_common.hpp"
 
 #include <kvattn/prefill.hpp>
+#if KVATTN_BENCH_KERNELS
+#include <kvattn/kernels.hpp>
+#endif
 
 #include <Eigen/Core>
 
@@ -55,7 +62,11 @@ Inputs make_inputs(std::int64_t n) {
   return in;
 }
 
-template <class T> void kvattn_prefill(benchmark::State& state) {
+/// How a kvattn row calls prefill: instantiated here (kvattn/prefill.hpp, for this program's
+/// flags) or through the compiled kernels' dispatcher (kvattn/kernels.hpp).
+enum class Way { header, compiled };
+
+template <class T, Way How = Way::header> void kvattn_prefill(benchmark::State& state) {
   const std::int64_t n = state.range(0);
   const int threads = static_cast<int>(state.range(1));
   Inputs in = make_inputs(n);
@@ -68,11 +79,21 @@ template <class T> void kvattn_prefill(benchmark::State& state) {
   kvattn::PrefillPlan plan;
   plan.make(cache, batch, kShape, kvattn::PrefillParams{}, pool);
   for (auto _ : state) {
-    kvattn::prefill(cache, 0, in.q.data(), in.k.data(), in.v.data(), in.out.data(), nullptr, plan, pool);
+    if constexpr (How == Way::header) {
+      kvattn::prefill(cache, 0, in.q.data(), in.k.data(), in.v.data(), in.out.data(), nullptr, plan, pool);
+    } else {
+#if KVATTN_BENCH_KERNELS
+      kvattn::kernels::prefill(cache, 0, in.q.data(), in.k.data(), in.v.data(), in.out.data(), nullptr, plan, pool);
+#endif
+    }
     benchmark::DoNotOptimize(in.out.data());
   }
   kvattn::bench::report_flops(state, causal_flops(n));
-  state.SetLabel(std::string(kvattn::isa::native::name));
+  std::string label(kvattn::isa::native::name);
+#if KVATTN_BENCH_KERNELS
+  if (How == Way::compiled) label = "compiled, " + std::string(kvattn::kernels::isa());
+#endif
+  state.SetLabel(label);
 }
 
 template <class T> void eigen_prefill(benchmark::State& state) {
@@ -123,6 +144,11 @@ void args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(kvattn_prefill<kvattn::bf16>)->Name("prefill/kvattn/bf16")->Apply(args);
 BENCHMARK(kvattn_prefill<kvattn::fp16>)->Name("prefill/kvattn/fp16")->Apply(args);
+#if KVATTN_BENCH_KERNELS
+// The same kernels through the dispatcher, beside the rows instantiated here.
+BENCHMARK(kvattn_prefill<kvattn::bf16, Way::compiled>)->Name("prefill/kvattn_compiled/bf16")->Apply(args);
+BENCHMARK(kvattn_prefill<kvattn::fp16, Way::compiled>)->Name("prefill/kvattn_compiled/fp16")->Apply(args);
+#endif
 // The 8-bit formats (kvattn/format.hpp): each timed call also quantizes the layer's K/V as it
 // writes them, and the kernel dequantizes each tile of the cache once; beside bf16's rows.
 BENCHMARK(kvattn_prefill<kvattn::int8_row>)->Name("prefill/kvattn/int8")->Apply(args);

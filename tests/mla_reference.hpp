@@ -167,4 +167,25 @@ template <class T> struct MlaInputs {
   }
 };
 
+/// Runs case `c` in format T with policy P (its values from the case) through
+/// mla_decode(view, q, out, lse, plan, pf, policy) on MlaInputs(c, seed), the plan made for `pf`'s
+/// threads, and checks it against the reference; returns the output (for comparisons between
+/// runs). `mla_decode` is the operator under test (kvattn::mla_decode with an ISA tag,
+/// kvattn::kernels::mla_decode).
+template <class T, class P, class PF, class MlaDecode>
+std::vector<float> check_mla_case(const MlaCase& c, unsigned seed, PF& pf, MlaDecode&& mla_decode) {
+  const MlaInputs<T> in(c, seed);
+  const kvattn::MlaShape& s = c.shape;
+  const std::size_t rows = in.seqs.size() * c.queries * s.heads;
+  std::vector<float> out(rows * s.latent_dim, -7.0f), lse(rows, -7.0f);
+  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
+  const policy_checks::Values values = policy_values(c);
+  kvattn::DecodePlan plan;
+  plan.make(in.cache.view(table, 0), s, mla_params(c), pf);
+  mla_decode(in.cache.view(table, 0), in.q.data(), out.data(), lse.data(), plan, pf, policy_checks::make<P>(values));
+  expect_mla_decode_matches(in.cache, in.seqs, s, in.q, c.queries, out, lse, c.q_scale,
+                            [&](std::size_t b) { return policy_checks::options<P>(values, b); });
+  return out;
+}
+
 }  // namespace checks

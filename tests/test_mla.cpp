@@ -67,18 +67,10 @@ using KernelCase = checks::MlaCase;
 template <class Isa, class T, class P = kvattn::Plain, class PF = kvattn::SerialFor>
 std::vector<float> check_kernel(const KernelCase& c, unsigned seed = 1, PF&& pf = PF{}) {
   SCOPED_TRACE(describe(c));
-  const checks::MlaInputs<T> in(c, seed);
-  const MlaShape& s = c.shape;
-  const std::size_t rows = in.seqs.size() * c.queries * s.heads;
-  std::vector<float> out(rows * s.latent_dim, -7.0f), lse(rows, -7.0f);
-  const kvattn::BatchPageTable table = in.cache.page_table(in.seqs);
-  const policy_checks::Values values = checks::policy_values(c);
-  kvattn::DecodePlan plan;
-  plan.make(in.cache.view(table, 0), s, checks::mla_params(c), pf);
-  kvattn::mla_decode(in.cache.view(table, 0), in.q.data(), out.data(), lse.data(), plan, pf, policy_checks::make<P>(values), Isa{});
-  checks::expect_mla_decode_matches(in.cache, in.seqs, s, in.q, c.queries, out, lse, c.q_scale,
-                                    [&](std::size_t b) { return policy_checks::options<P>(values, b); });
-  return out;
+  return checks::check_mla_case<T, P>(c, seed, pf, [](const auto& kv, const float* q, float* out, float* lse,
+                                                      kvattn::DecodePlan& plan, auto& parallel_for, const P& policy) {
+    kvattn::mla_decode(kv, q, out, lse, plan, parallel_for, policy, Isa{});
+  });
 }
 
 template <class P> class MlaKernel : public ::testing::Test {};

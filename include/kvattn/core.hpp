@@ -1,6 +1,7 @@
 // kvattn/core.hpp — what every attention operator shares: the softmax scale, the argument checks,
-// the head-size dispatch, and the decode plan (the split-KV work of one step, made once and
-// reused by every layer).
+// the head-size dispatch, and the plans of a step, made once and reused by every layer: the
+// decode plan (the split-KV work of one step) and the prefill plan (PrefillPlan, below: its
+// chunks, their pages made writable, the work items; kvattn/prefill.hpp runs it).
 //
 // An engine's decode step, for any number of layers:
 //   kvattn::BatchPageTable table = cache.page_table(seqs);           // after the step's appends
@@ -34,6 +35,7 @@
 #include "paged_cache.hpp"
 #include "parallel.hpp"
 #include "policy.hpp"
+#include "rope_config.hpp"
 #include "shape.hpp"
 #include "state.hpp"
 
@@ -408,6 +410,222 @@ class DecodePlan {
   std::vector<std::int64_t> q_indptr_;   // [batch + 1] b · Q: each sequence's query rows
   std::int64_t item_floats_ = 0, scratch_floats_ = 0;
   std::vector<float> scratch_;
+};
+
+struct PrefillParams {
+  float scale = 0.0f;  ///< softmax scale; 0: 1 / sqrt(head_dim)
+  /// Query tokens per work item, from 1 to kMaxQueryBlock; a chunk shorter than this is one block.
+  int query_block = 64;
+  /// Rotary position embedding: when set, the chunk's queries and keys are rotated at their
+  /// positions (each token's index in its sequence) before the keys are cached and attended to;
+  /// q and k are only read (the rotated copies live in the plan). rope->head_dim() must equal
+  /// the shape's head_dim. Null: q and k are used as given.
+  const Rope* rope = nullptr;
+
+  /// The largest query_block, and the most query rows (group size × the block actually used) one
+  /// item may hold: an item's scratch grows with its rows.
+  static constexpr int kMaxQueryBlock = 4096;
+  static constexpr std::int64_t kMaxItemRows = kMaxRowsPerItem;
+};
+
+namespace prefill_layout {
+inline constexpr int kTile = 32;  ///< keys per tile: each output row is loaded, rescaled and stored once per tile
+/// Lanes of work items per thread of the parallel-for (see prefill()): enough that a parallel-for
+/// handing out lanes one at a time still balances them over its threads.
+inline constexpr int kLanesPerThread = 8;
+/// Vector lanes the plan sizes scratch for: the most any instruction set has.
+inline constexpr int kMaxLanes = 16;
+
+/// An item's scratch: where each region starts, in floats from the item's start, which is on a
+/// cache line, as every region's is (a vector load that straddles two lines costs two: on
+/// AVX-512, every load of the kernel's inner loops).
+struct ScratchLayout {
+  std::int64_t qt;       ///< queries, transposed per block of W rows: [block][dim][W], pre-scaled
+  std::int64_t kf, vf;   ///< the tile's keys and values as fp32: [kTile][dim] each
+  std::int64_t pr;       ///< probabilities of one row block: [kTile][W]
+  std::int64_t mrow, drow;  ///< running max and sum per row: [blocks · W] each
+  std::int64_t sc;       ///< scores of two blocks of rows: [2][kTile][W]
+  std::int64_t acc_out;  ///< the outputs, accumulated: [blocks · W][dim] (padding rows too)
+  std::int64_t floats;   ///< in all, a whole number of cache lines
+
+  /// The layout for `rows` query rows in vectors of W lanes (the plan sizes every lane's scratch
+  /// for 16, the most any instruction set has: no layout is larger).
+  static constexpr ScratchLayout of(std::int64_t rows, int dim, int W) noexcept {
+    const std::int64_t blocks = (rows + W - 1) / W;
+    std::int64_t at = 0;
+    const auto take = [&at](std::int64_t n) {
+      const std::int64_t start = at;
+      at += detail::whole_lines(n);
+      return start;
+    };
+    ScratchLayout l{};
+    l.qt = take(blocks * W * dim);
+    l.kf = take(std::int64_t{kTile} * dim);
+    l.vf = take(std::int64_t{kTile} * dim);
+    l.pr = take(kTile * W);
+    l.mrow = take(blocks * W);
+    l.drow = take(blocks * W);
+    l.sc = take(2 * kTile * W);
+    l.acc_out = take(blocks * W * dim);
+    l.floats = at;
+    return l;
+  }
+};
+
+}  // namespace prefill_layout
+
+/// One step's prefill: its chunks checked, their pages made writable, the page table, the work
+/// items and their scratch. Made once per step (make), read by every layer's prefill call.
+class PrefillPlan {
+ public:
+  /// A sequence's KV head and a block of its chunk's query tokens.
+  struct Item {
+    std::int32_t batch_index;     ///< b: the batch's sequence
+    std::int32_t kv_head;
+    std::int64_t q_begin, q_end;  ///< rows of q (the step's token index)
+  };
+
+  /// Checks the step (the shape against the cache, every chunk against its sequence, the
+  /// parameters) and makes the chunks' pages writable in every layer at once
+  /// (PagedKvCache::make_writable): all or nothing, a pool too small for the copy-on-write copies
+  /// throws capacity_error with the cache unchanged. Then takes the batch's page table and splits
+  /// the work for `threads` threads (or the parallel-for's, threads_of). Throws
+  /// kvattn::invalid_argument or shape_error on inconsistent arguments.
+  template <class T, class M>
+  void make(PagedKvCache<T, M>& cache, const ChunkBatch& batch, const GqaShape& shape, const PrefillParams& p, int threads) {
+    constexpr const char* op = "PrefillPlan::make";
+    shape.validate();
+    detail::check_layout(op, shape, cache.layout());
+    detail::check_scale(op, p.scale, "1/sqrt(head_dim)");
+    if (threads < 1) raise<invalid_argument>(detail::concat(op, ": threads=", threads, ": must be positive"));
+    if (p.query_block < 1 || p.query_block > PrefillParams::kMaxQueryBlock)
+      raise<invalid_argument>(detail::concat(op, ": query_block=", p.query_block, ": must be from 1 to ", PrefillParams::kMaxQueryBlock));
+    if (p.rope != nullptr && p.rope->head_dim() != shape.head_dim)
+      raise<shape_error>(detail::concat(op, ": rope head_dim=", p.rope->head_dim(), " does not match shape head_dim=", shape.head_dim));
+    std::vector<TokenRange> ranges(static_cast<std::size_t>(batch.size()));
+    std::int64_t longest = 0;
+    for (int b = 0; b < batch.size(); ++b) {
+      const SeqId s = batch.seq(b);
+      if (!cache.contains(s))
+        raise<invalid_argument>(detail::concat(op, ": sequence ", s, " (chunk ", b, " of the batch) is not in the cache"));
+      const std::int64_t n = batch.tokens(b), L = cache.length(s);
+      if (n > L)
+        raise<invalid_argument>(detail::concat(op, ": sequence ", s, " has a chunk of ", n, " tokens but holds ", L,
+                                               " (append the chunk first)"));
+      ranges[static_cast<std::size_t>(b)] = {s, L - n, n};
+      longest = std::max(longest, n);
+    }
+    // The block actually used: no longer than the longest chunk. Its rows size every item's
+    // scratch, counted in 64 bits before anything is allocated.
+    const int block = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(p.query_block, longest)));
+    if (std::int64_t{shape.group_size()} * block > PrefillParams::kMaxItemRows)
+      raise<invalid_argument>(detail::concat(op, ": query_block=", p.query_block, " with group size ", shape.group_size(),
+                                             " makes items of ", std::int64_t{shape.group_size()} * block,
+                                             " query rows: at most ", PrefillParams::kMaxItemRows));
+    // Every chunk's pages are made private (copy-on-write) before anything is written, for the
+    // whole batch and every layer at once: the layers' writes then copy nothing and cannot fail.
+    cache.make_writable(ranges, op);  // (also rejects a sequence that appears twice)
+
+    shape_ = shape;
+    params_ = p;
+    scale_ = softmax_scale(p.scale, shape.head_dim);
+    threads_ = threads;
+    batch_ = batch;
+    cache_ = &cache;
+    generation_ = cache.generation();
+    cache.build_page_table(batch.seqs().data(), batch.seqs().size(), table_);
+    first_pos_.resize(static_cast<std::size_t>(batch.size()));
+    for (int b = 0; b < batch.size(); ++b) first_pos_[static_cast<std::size_t>(b)] = ranges[static_cast<std::size_t>(b)].first;
+
+    // Items from the last query block of each sequence to the first: the later a block, the more
+    // keys it sees, and each lane below then ends on its cheap items.
+    const std::vector<std::int64_t>& indptr = batch.indptr();
+    items_.clear();
+    for (int b = 0; b < batch.size(); ++b)
+      for (std::int64_t n = batch.tokens(b), t = indptr[static_cast<std::size_t>(b)] + (n - 1) / block * block;
+           n > 0 && t >= indptr[static_cast<std::size_t>(b)]; t -= block)
+        for (int h = 0; h < shape.kv_heads; ++h)
+          items_.push_back({b, h, t, std::min<std::int64_t>(indptr[static_cast<std::size_t>(b) + 1], t + block)});
+    // The items are dealt round-robin into lanes, a few per thread; the parallel-for runs the
+    // lanes, and a lane runs its items one after another in a scratch of its own. The scratch
+    // thus grows with the threads, not with the prompt, and stays warm from item to item; and as
+    // consecutive items (the KV heads of one query block) cost the same, the lanes do too. Every
+    // lane's scratch starts on a cache line (per_lane is a whole number of them).
+    lanes_ = std::min<std::int64_t>(static_cast<std::int64_t>(items_.size()), std::int64_t{prefill_layout::kLanesPerThread} * threads);
+    per_lane_ = prefill_layout::ScratchLayout::of(std::int64_t{shape.group_size()} * block, shape.head_dim, prefill_layout::kMaxLanes).floats;
+    grow(scratch_, per_lane_ * lanes_ + detail::kLineFloats);
+    if (p.rope != nullptr) {
+      grow(rotated_q_, batch.total() * shape.q_heads * shape.head_dim);
+      grow(rotated_k_, batch.total() * shape.kv_heads * shape.head_dim);
+      grow(positions_, batch.total());
+      for (int b = 0; b < batch.size(); ++b)
+        for (std::int64_t t = 0; t < batch.tokens(b); ++t)
+          positions_[static_cast<std::size_t>(indptr[static_cast<std::size_t>(b)] + t)] = first_pos_[static_cast<std::size_t>(b)] + t;
+    }
+  }
+  /// make() with the threads of a parallel-for.
+  template <class T, class M, class PF, class = std::enable_if_t<!std::is_integral_v<PF>>>
+  void make(PagedKvCache<T, M>& cache, const ChunkBatch& batch, const GqaShape& shape, const PrefillParams& p, const PF& pf) {
+    make(cache, batch, shape, p, threads_of(pf));
+  }
+
+  /// Checks that the plan was made for `cache` as it is now (no mutation since: PagedKvCache::
+  /// generation) and that `layer` is one of its layers. Throws invalid_argument naming `op`.
+  template <class T, class M> void check(const char* op, const PagedKvCache<T, M>& cache, int layer) const {
+    if (cache_ == nullptr) raise<invalid_argument>(detail::concat(op, ": the plan was never made (PrefillPlan::make)"));
+    if (cache_ != static_cast<const void*>(&cache))
+      raise<invalid_argument>(detail::concat(op, ": the plan was made for another cache"));
+    if (cache.generation() != generation_)
+      raise<invalid_argument>(detail::concat(op, ": the cache has changed since the plan was made (generation ", generation_,
+                                             ", now ", cache.generation(), "): make the plan again"));
+    if (layer < 0 || layer >= cache.config().layers)
+      raise<invalid_argument>(detail::concat(op, ": layer=", layer, " is outside [0, ", cache.config().layers, ")"));
+  }
+
+  const GqaShape& shape() const noexcept { return shape_; }
+  const PrefillParams& params() const noexcept { return params_; }
+  float scale() const noexcept { return scale_; }
+  int threads() const noexcept { return threads_; }
+  const ChunkBatch& batch() const noexcept { return batch_; }
+  /// The position of sequence b's first new token.
+  std::int64_t first_pos(int b) const noexcept { return first_pos_[static_cast<std::size_t>(b)]; }
+  const BatchPageTable& table() const noexcept { return table_; }
+  const std::vector<Item>& items() const noexcept { return items_; }
+  std::int64_t lanes() const noexcept { return lanes_; }
+  std::int64_t lane_floats() const noexcept { return per_lane_; }
+  /// Lane i's scratch: lane_floats() floats from a cache line.
+  float* lane_scratch(std::int64_t i) noexcept { return detail::align_to_line(scratch_.data()) + i * per_lane_; }
+  float* rotated_q() noexcept { return rotated_q_.data(); }
+  float* rotated_k() noexcept { return rotated_k_.data(); }
+  const std::int64_t* positions() const noexcept { return positions_.data(); }
+  /// What the policy of a call is checked against.
+  PolicyCall policy_call() const noexcept { return PolicyCall{shape_.q_heads, batch_.size(), batch_.indptr().data()}; }
+  std::size_t bytes() const noexcept {
+    return items_.capacity() * sizeof(Item) + (scratch_.capacity() + rotated_q_.capacity() + rotated_k_.capacity()) * sizeof(float) +
+           (positions_.capacity() + first_pos_.capacity()) * sizeof(std::int64_t) +
+           (table_.indptr.capacity() + table_.indices.capacity() + table_.last_page_len.capacity()) * sizeof(std::int32_t);
+  }
+
+ private:
+  template <class V> static void grow(V& buffer, std::int64_t n) {
+    if (buffer.size() < static_cast<std::size_t>(n)) buffer.resize(static_cast<std::size_t>(n));
+  }
+
+  GqaShape shape_;
+  PrefillParams params_;
+  float scale_ = 1.0f;
+  int threads_ = 1;
+  ChunkBatch batch_;
+  const void* cache_ = nullptr;  // the cache the plan was made for
+  std::uint64_t generation_ = 0;
+  BatchPageTable table_;
+  std::vector<std::int64_t> first_pos_;  // [batch]
+  std::vector<Item> items_;
+  std::int64_t lanes_ = 0, per_lane_ = 0;
+  std::vector<float> scratch_;           // [lanes][per_lane]: packed queries, a tile's keys and values, probabilities, stats
+  std::vector<float> rotated_q_;         // with PrefillParams::rope: [total][q_heads][head_dim] the queries, rotated
+  std::vector<float> rotated_k_;         // with PrefillParams::rope: [total][kv_heads][head_dim] the keys, rotated
+  std::vector<std::int64_t> positions_;  // with PrefillParams::rope: [total] each chunk token's position
 };
 
 }  // namespace kvattn

@@ -7,6 +7,8 @@
 // function compiled here can stand in for another unit's copy.
 #include <kvattn/decode.hpp>
 #include <kvattn/kernels.hpp>
+#include <kvattn/mla_decode.hpp>
+#include <kvattn/prefill.hpp>
 
 #if !defined(KVATTN_KERNELS_ISA)
 #error "KVATTN_KERNELS_ISA must name the instruction set this unit is compiled for"
@@ -17,18 +19,44 @@ static_assert(std::is_same_v<kvattn::isa::native, kvattn::isa::KVATTN_KERNELS_IS
 namespace kvattn::kernels::detail {
 namespace {
 
+// The operators, for this unit's instruction set, with the library's signatures (kernels.hpp).
 template <class T, class P>
 void decode_kernel(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, ParallelForRef pf,
                    const P& policy) {
   kvattn::decode(kv, q, out, lse, plan, pf, policy, isa::native{});
 }
-
-template <class T, class... P> void fill_decode(Table& t, type_list<P...>) {
-  ((t.decode[decode_slot<T, P>()] = reinterpret_cast<void (*)()>(static_cast<DecodeFn<T, P>>(&decode_kernel<T, P>))), ...);
+template <class T, class P>
+void prefill_kernel(PagedKvCache<T>& cache, int layer, const float* q, const float* k, const float* v, float* out, float* lse,
+                    PrefillPlan& plan, ParallelForRef pf, const P& policy) {
+  kvattn::prefill(cache, layer, q, k, v, out, lse, plan, pf, policy, isa::native{});
 }
-template <class... T> Table make_table(type_list<T...>) {
-  Table t{isa::native::name, {}};
-  (fill_decode<T>(t, decode_policies{}), ...);
+template <class T, class P>
+void mla_decode_kernel(const PagedKvView<T>& kv, const float* q, float* out, float* lse, DecodePlan& plan, ParallelForRef pf,
+                       const P& policy) {
+  kvattn::mla_decode(kv, q, out, lse, plan, pf, policy, isa::native{});
+}
+
+template <class Fn> Table::Entry entry(Fn f) { return reinterpret_cast<Table::Entry>(f); }
+
+// Every (format, policy) pair of one operator into its slots.
+template <class T, class... P> void fill_decode(Table& t, type_list<P...>) {
+  ((t.decode[DecodeConfigs::slot<T, P>()] = entry(static_cast<DecodeFn<T, P>>(&decode_kernel<T, P>))), ...);
+}
+template <class T, class... P> void fill_prefill(Table& t, type_list<P...>) {
+  ((t.prefill[PrefillConfigs::slot<T, P>()] = entry(static_cast<PrefillFn<T, P>>(&prefill_kernel<T, P>))), ...);
+}
+template <class T, class... P> void fill_mla_decode(Table& t, type_list<P...>) {
+  ((t.mla_decode[MlaDecodeConfigs::slot<T, P>()] = entry(static_cast<MlaDecodeFn<T, P>>(&mla_decode_kernel<T, P>))), ...);
+}
+template <class... T> void fill_decode(Table& t, type_list<T...>) { (fill_decode<T>(t, decode_policies{}), ...); }
+template <class... T> void fill_prefill(Table& t, type_list<T...>) { (fill_prefill<T>(t, prefill_policies{}), ...); }
+template <class... T> void fill_mla_decode(Table& t, type_list<T...>) { (fill_mla_decode<T>(t, mla_decode_policies{}), ...); }
+
+Table make_table() {
+  Table t{isa::native::name, {}, {}, {}};
+  fill_decode(t, decode_formats{});
+  fill_prefill(t, prefill_formats{});
+  fill_mla_decode(t, mla_decode_formats{});
   return t;
 }
 
@@ -38,6 +66,6 @@ template <class... T> Table make_table(type_list<T...>) {
 #define KVATTN_KERNELS_CAT2(a, b) a##b
 #define KVATTN_KERNELS_CAT(a, b) KVATTN_KERNELS_CAT2(a, b)
 extern "C" const kvattn::kernels::detail::Table* KVATTN_KERNELS_CAT(kvattn_kernels_table_, KVATTN_KERNELS_ISA)() {
-  static const kvattn::kernels::detail::Table table = kvattn::kernels::detail::make_table(kvattn::kernels::decode_formats{});
+  static const kvattn::kernels::detail::Table table = kvattn::kernels::detail::make_table();
   return &table;
 }
