@@ -1,9 +1,7 @@
 // tests/decode_check.hpp — one decode case run and checked against the reference, for the
 // decode test's translation units: test_decode.cpp (the plain operator) and one file per group of
-// score policies (test_decode_window.cpp, test_decode_soft_cap.cpp, ...). Each policy
-// instantiates the kernels of every storage type, head size and ISA again, so each group has a
-// translation unit of its own and they compile in parallel. The bounds are stated at the top of
-// test_decode.cpp.
+// score policies (test_decode_window.cpp, test_decode_soft_cap.cpp, ...), compiled as one unit
+// (tests/CMakeLists.txt). The bounds are stated at the top of test_decode.cpp.
 #pragma once
 
 #include <kvattn/decode.hpp>
@@ -40,10 +38,9 @@ void check(const Case& c, PF&& pf) {
 /// q4_block (its blocks' scales are applied as a row is loaded, before the scores the policies
 /// see); the quantized formats against the reference on the cache's dequantized keys and values,
 /// which read() returns, so within the same bounds. The quantized formats' kernels are the 16-bit
-/// ones' with another load and a scale per token (per block): what their portable path adds is checked where it is the native one (the scalar
-/// preset) and by test_int8_queries, and every policy's kernels on each x86 ISA by
-/// test_x86_isas, without compiling the 8-bit kernels of every policy twice in each of these
-/// files (they are most of its compile time).
+/// ones' with another load and a scale per token (per block): what their portable path adds is
+/// checked where it is the native one (the scalar preset) and by test_int8_queries, and every
+/// policy's kernels on each x86 ISA by test_x86_isas.
 template <class P, class Isa, class PF = kvattn::SerialFor>
 void check_all_storage(const Case& c, PF&& pf = PF{}) {
   check<P, float, Isa>(c, pf);

@@ -176,7 +176,7 @@ template <class Isa, bool Bytes> KVATTN_ALWAYS_INLINE float quantize_probabiliti
   return unit;
 }
 
-/// Step 1 of decode_tile with int8 queries on an instruction set with integer dot products
+/// tile_scores with int8 queries on an instruction set with integer dot products
 /// (simd::I8Dot): red[r][t] = lanes of partial sums of k_t · q_r + key_offset · Σ q_r, as floats.
 /// qr[r]: row r's int8 query, zero-padded to whole cache lines.
 template <class Isa, int HeadDim, int NR, class T>
@@ -209,35 +209,45 @@ KVATTN_ALWAYS_INLINE void int8_scores(const T* const* keys, const T* const* ahea
   }
 }
 
-/// One tile of up to kDecodeTile tokens against NR query rows (NR compile-time: the
-/// accumulators stay in registers). A function of its own (not inlined into decode_item, which
-/// calls one per row count): the compiler then optimizes each alone, in half the compile time,
-/// and a call per tile costs nothing beside the tile's work. run_dim: the head size (HeadDim
-/// where that is not 0); qr_in, o_in: qr and o below. keys[t]: token t's key row [dim], its
-/// value row at keys[t] + value_minus_key; ahead[t]: the same token's key row in a later unit,
-/// whose key and value rows are prefetched as the scores and the values of token t are computed
-/// (ahead null: none).
-/// qr[r]: row r's query [dim] in pair order (simd::to_pair_order); rows[r]: what the policy is
-/// told of it (its position, head, ...); o[r]: its running output [dim] in pair order, then {m, d}.
-/// Formats with a scale per row (format.hpp): ks[t], vs[t] are token t's key and value scales
-/// ([kDecodeTile], 0 past n); other formats ignore them. Formats with a scale and a minimum per
-/// block of a row: bs holds the tile's, as floats, and a row's values are the codes times the
-/// scale plus the minimum as they are loaded (load_columns); others pass null. Int8Q (DecodeParams::int8_queries):
-/// qr[r] holds row r's int8 query values (int8_t where simd::I8Dot scores them, else as floats),
-/// q_scale[r] its scale and q_offset[r] what the integer sums carry besides k · q.
-///   1. Scores: for each token, one vector of partial dot products per row; the tile's vectors
-///      are then summed lanes-wise all at once (Vec::sum_each), not one reduction per token,
-///      and scaled (by the key's scale too).
-///   2. Per row over the tile: the policy's window, logits and mask, then the online softmax:
-///      new maximum, rescale factor, probabilities (times the value's scale).
-///   3. o = alpha · o + Σ_t p_t v_t, with keys' and values' pairs of vectors converted once per
-///      token and shared by every row.
-template <class Isa, int HeadDim, int NR, bool Int8Q, class P, class T, class QT>
-KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key, int n,
-                                 std::int64_t t0, int run_dim, const QT* const* qr_in, const QueryRow* rows,
-                                 float* const* o_in, float scale, const P& policy, const float* ks, const float* vs,
-                                 const TileBlockScales* bs, const float* q_scale, const float* q_offset,
-                                 bool u8p) noexcept {
+/// Whether step 3 of a tile (tile_values) multiplies 8-bit probabilities with int8 values by
+/// integer dot products (simd::I8Dot): with int8 queries, on instruction sets that have them, for
+/// head sizes compiled for that are whole blocks of their columns.
+template <class Isa, int HeadDim, bool Int8Q>
+inline constexpr bool kIntValues = Int8Q && simd::I8Dot<Isa>::value_columns > 0 && HeadDim > 0 &&
+                                   HeadDim % std::max(1, simd::I8Dot<Isa>::value_columns) == 0;
+
+// A tile is up to kDecodeTile tokens against NR query rows, in three steps:
+//   1. Scores (tile_scores): for each token, one vector of partial dot products per row; the
+//      tile's vectors are then summed lanes-wise all at once (Vec::sum_each), not one reduction
+//      per token, and scaled (by the key's scale too).
+//   2. Per row over the tile (tile_softmax): the policy's window, logits and mask, then the online
+//      softmax: new maximum, rescale factor, probabilities (times the value's scale).
+//   3. o = alpha · o + Σ_t p_t v_t (tile_values), with keys' and values' pairs of vectors converted
+//      once per token and shared by every row.
+// Steps 1 and 3 are functions of their own, NR compile-time (the accumulators stay in registers),
+// and know nothing of the score policy: every policy's decode_item calls the same ones, so a policy
+// costs its own step 2 and walk, not another copy of the kernels. Not inlined into decode_item,
+// which calls them for each row count: the compiler then optimizes each alone, and a call per
+// tile costs nothing beside the tile's work.
+//
+// Their arguments: keys[t]: token t's key row [dim], its value row at keys[t] + value_minus_key;
+// ahead[t]: the same token's key row in a later unit, whose key and value rows are prefetched as
+// the scores and the values of token t are computed (ahead null: none). run_dim: the head size
+// (HeadDim where that is not 0). qr[r]: row r's query [dim] in pair order (simd::to_pair_order);
+// o[r]: its running output [dim] in pair order, then {m, d}. Formats with a scale per row
+// (format.hpp): ks[t], vs[t] are token t's key and value scales ([kDecodeTile], 0 past n); other
+// formats ignore them. Formats with a scale and a minimum per block of a row: bs holds the
+// tile's, as floats, and a row's values are the codes times the scale plus the minimum as they
+// are loaded (load_columns); others pass null. Int8Q (DecodeParams::int8_queries): qr[r] holds
+// row r's int8 query values (int8_t where simd::I8Dot scores them, else as floats), q_scale[r]
+// its scale and q_offset[r] what the integer sums carry besides k · q.
+
+/// Step 1: s[r][t] = scale · k_t · q_r (times the key's scale) for the tile's n tokens, and 0
+/// past them.
+template <class Isa, int HeadDim, int NR, bool Int8Q, class T, class QT>
+KVATTN_NOINLINE void tile_scores(const T* const* keys, const T* const* ahead, int n, int run_dim, const QT* const* qr_in,
+                                 float scale, const float* ks, const TileBlockScales* bs, const float* q_scale,
+                                 const float* q_offset, float (*s)[kDecodeTile]) noexcept {
   constexpr bool kRowScale = format_traits<T>::row_scale;
   constexpr bool kBlockScale = format_traits<T>::block_scale;
   constexpr int U = format_traits<T>::values_per_unit;
@@ -245,21 +255,15 @@ KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, st
   // The rows' pointers as locals: the compiler then knows that no store of the tile changes them,
   // and keeps them in registers rather than reading the caller's arrays again at every use.
   const QT* qr[NR];
-  float* o[NR];
-  for (int r = 0; r < NR; ++r) {
-    qr[r] = qr_in[r];
-    o[r] = o_in[r];
-  }
+  for (int r = 0; r < NR; ++r) qr[r] = qr_in[r];
   const int blocks = kBlockScale ? dim / format_traits<T>::block : 0;  // block scales per row
   const float* kdm = kBlockScale ? bs->k : nullptr;
-  const float* vdm = kBlockScale ? bs->v : nullptr;
   using Vec = simd::Vec<Isa>;
   constexpr int W = Vec::lanes, W2 = 2 * W;
   static_assert(kDecodeTile % W == 0, "a tile is whole vectors of tokens");
   const int pairs = dim / W2, singles = (dim % W2) / W, tail = dim % W;
   const int rest = pairs * W2;  // where the columns after the pairs start
 
-  // 1. Scores.
   Vec red[NR][kDecodeTile];
   if constexpr (std::is_same_v<QT, std::int8_t>) {
     int8_scores<Isa, HeadDim, NR>(keys, ahead, n, dim, qr, red);
@@ -295,16 +299,6 @@ KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, st
   for (int t = n; t < kDecodeTile; ++t)
     KVATTN_UNROLL for (int r = 0; r < NR; ++r) red[r][t] = Vec::zero();
 
-  // 2. Online softmax. s[r][t]: scores, then probabilities (0 for tokens a row does not see).
-  alignas(64) float s[NR][kDecodeTile];
-  float alpha[NR];
-  // u8p (DecodeParams::u8_probabilities, with int8 queries): each row's probabilities (times the
-  // values' scales) p8[r][t] · p_unit[r], p8 in [0, 255]; where simd::I8Dot multiplies them with
-  // int8 values (kIntValues), step 3 does, else s holds p8 · p_unit and step 3 is the fp32 one.
-  constexpr bool kIntValues = Int8Q && simd::I8Dot<Isa>::value_columns > 0 && HeadDim > 0 &&
-                              HeadDim % std::max(1, simd::I8Dot<Isa>::value_columns) == 0;
-  alignas(64) std::uint8_t p8[NR][kIntValues ? kDecodeTile : 1];
-  float p_unit[NR];
   for (int r = 0; r < NR; ++r) {
     if constexpr (Int8Q) {  // (k · q_int8 + offset − offset) · scale · q's scale · k's scale
       const Vec off = Vec::set1(q_offset[r]), vscale = Vec::set1(scale * q_scale[r]);
@@ -318,14 +312,46 @@ KVATTN_NOINLINE void decode_tile(const T* const* keys, const T* const* ahead, st
           (Vec::sum_each(&red[r][g]) * vscale).store(&s[r][g]);
       }
     }
-    core_impl::policy_tile<kDecodeTile>(policy, rows[r], t0, n, s[r]);
-    alpha[r] = core_impl::row_softmax<Isa, kDecodeTile>(s[r], o[r] + dim);
-    if constexpr (kRowScale)
-      for (int g = 0; g < kDecodeTile; g += W) (Vec::load(&s[r][g]) * Vec::load(vs + g)).store(&s[r][g]);
-    if constexpr (Int8Q)
-      if (u8p) p_unit[r] = quantize_probabilities<Isa, kIntValues>(s[r], p8[r]);
   }
-  if constexpr (kIntValues) if (u8p) {  // 3, by integer dot products: o = alpha · o + unit · Σ_t p8_t v_t
+}
+
+/// Step 2, for one row: the policy's part (policy.hpp) and the online-softmax step on its scores
+/// s[kDecodeTile], which become probabilities (times the values' scales vs, for formats with a
+/// scale per row); md: the row's {m, d}. Returns the factor alpha the row's output is rescaled
+/// by. With u8p (DecodeParams::u8_probabilities, with int8 queries), the probabilities are then
+/// rounded to 8 bits, p8[t] · p_unit: into p8 where step 3 multiplies them as integers
+/// (kIntValues), else into s.
+template <class Isa, bool Int8Q, bool IntValues, class T, class P>
+KVATTN_ALWAYS_INLINE float tile_softmax(const P& policy, const QueryRow& row, std::int64_t t0, int n, float* s, float* md,
+                                        const float* vs, bool u8p, std::uint8_t* p8, float& p_unit) noexcept {
+  using Vec = simd::Vec<Isa>;
+  core_impl::policy_tile<kDecodeTile>(policy, row, t0, n, s);
+  const float alpha = core_impl::row_softmax<Isa, kDecodeTile>(s, md);
+  if constexpr (format_traits<T>::row_scale)
+    for (int g = 0; g < kDecodeTile; g += Vec::lanes) (Vec::load(s + g) * Vec::load(vs + g)).store(s + g);
+  if constexpr (Int8Q)
+    if (u8p) p_unit = quantize_probabilities<Isa, IntValues>(s, p8);
+  return alpha;
+}
+
+/// Step 3: o[r] = alpha[r] · o[r] + Σ_t p[r][t] v_t (in pair order), with the probabilities of
+/// step 2: s (floats), or with u8p where kIntValues holds, p8[r][t] · p_unit[r].
+template <class Isa, int HeadDim, int NR, bool Int8Q, class T>
+KVATTN_NOINLINE void tile_values(const T* const* keys, const T* const* ahead, std::int64_t value_minus_key, int n,
+                                 int run_dim, const float (*s)[kDecodeTile], [[maybe_unused]] const std::uint8_t (*p8)[kDecodeTile],
+                                 [[maybe_unused]] const float* p_unit, const float* alpha, float* const* o_in,
+                                 const TileBlockScales* bs, [[maybe_unused]] bool u8p) noexcept {
+  constexpr bool kBlockScale = format_traits<T>::block_scale;
+  const int dim = HeadDim > 0 ? HeadDim : run_dim;
+  float* o[NR];
+  for (int r = 0; r < NR; ++r) o[r] = o_in[r];
+  const int blocks = kBlockScale ? dim / format_traits<T>::block : 0;
+  const float* vdm = kBlockScale ? bs->v : nullptr;
+  using Vec = simd::Vec<Isa>;
+  constexpr int W = Vec::lanes, W2 = 2 * W;
+  const int pairs = dim / W2;
+  const int rest = pairs * W2;
+  if constexpr (kIntValues<Isa, HeadDim, Int8Q>) if (u8p) {  // 3, by integer dot products: o = alpha · o + unit · Σ_t p8_t v_t
     using I8 = simd::I8Dot<Isa>;
     constexpr int C = I8::value_columns;
     // Blocks of up to 4 rows: 16 accumulators, the values' 4 vectors and the rest in registers.
@@ -437,6 +463,26 @@ template <class T> struct SpanWalker {
   }
 };
 
+/// f(std::integral_constant<int, nr>{}) for a row count nr in [1, Max].
+template <int Max, class F> KVATTN_ALWAYS_INLINE void with_rows(int nr, F&& f) {
+  switch (nr) {
+#define KVATTN_DECODE_ROWS_CASE(N) \
+  case N:                          \
+    if constexpr (N < Max) return f(std::integral_constant<int, N>{}); \
+    break;
+    KVATTN_DECODE_ROWS_CASE(1)
+    KVATTN_DECODE_ROWS_CASE(2)
+    KVATTN_DECODE_ROWS_CASE(3)
+    KVATTN_DECODE_ROWS_CASE(4)
+    KVATTN_DECODE_ROWS_CASE(5)
+    KVATTN_DECODE_ROWS_CASE(6)
+    KVATTN_DECODE_ROWS_CASE(7)
+#undef KVATTN_DECODE_ROWS_CASE
+    default: break;
+  }
+  f(std::integral_constant<int, Max>{});
+}
+
 /// One work item: every query row of the batch's sequence b against its key positions [begin, end).
 /// The keys are walked span by span and, within a span, KV head by KV head: the order in which
 /// they lie in a page (PageLayout: [K, V][kv_heads][page_size][dim]), so the reads of a step are
@@ -519,6 +565,10 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
   float q_scale[kRowBlock] = {}, q_offset[kRowBlock] = {};  // int8 queries: each row's scale and offset
   QueryRow qrow[kRowBlock];
   float* o[kRowBlock];
+  // A tile's probabilities (steps 2 and 3): floats, and bytes with 8-bit probabilities.
+  alignas(64) float s[kRowBlock][kDecodeTile];
+  alignas(64) std::uint8_t p8[kRowBlock][kDecodeTile];
+  float alpha[kRowBlock], p_unit[kRowBlock] = {};
   const int lookahead = std::min(kPrefetchUnits, H);  // in (span, head) units; < 2 spans
   const std::int64_t value_minus_key = kv.layout.value(0, 0) - kv.layout.key(0, 0);
 
@@ -587,22 +637,19 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
             qrow[r] = QueryRow{std::int64_t{b} * Q + i, length - Q + i, length - Q, h * group + (row - i * group)};
             o[r] = part + (std::int64_t{h} * rows + row) * stride;
           }
-          switch (nr) {
-#define KVATTN_DECODE_TILE_CASE(NR) \
-  case NR:                          \
-    if constexpr (NR <= kRowBlock)  \
-      decode_tile<Isa, HeadDim, NR, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, block_scales, q_scale, q_offset, u8_probabilities); \
-    break;
-            KVATTN_DECODE_TILE_CASE(1)
-            KVATTN_DECODE_TILE_CASE(2)
-            KVATTN_DECODE_TILE_CASE(3)
-            KVATTN_DECODE_TILE_CASE(4)
-            KVATTN_DECODE_TILE_CASE(5)
-            KVATTN_DECODE_TILE_CASE(6)
-            KVATTN_DECODE_TILE_CASE(7)
-            default: decode_tile<Isa, HeadDim, kRowBlock, Int8Q>(keys, r0 == 0 ? ahead : nullptr, value_minus_key, n, cur->t0 + i0, dim, qr, qrow, o, scale, policy, ks, vs, block_scales, q_scale, q_offset, u8_probabilities); break;
-#undef KVATTN_DECODE_TILE_CASE
-          }
+          const std::int64_t t0 = cur->t0 + i0;
+          const T* const* prefetch = r0 == 0 ? ahead : nullptr;
+          with_rows<kRowBlock>(nr, [&](auto rows_c) {
+            tile_scores<Isa, HeadDim, decltype(rows_c)::value, Int8Q>(keys, prefetch, n, dim, qr, scale, ks, block_scales,
+                                                                      q_scale, q_offset, s);
+          });
+          for (int r = 0; r < nr; ++r)
+            alpha[r] = tile_softmax<Isa, Int8Q, kIntValues<Isa, HeadDim, Int8Q>, T>(policy, qrow[r], t0, n, s[r], o[r] + dim, vs,
+                                                                                    u8_probabilities, p8[r], p_unit[r]);
+          with_rows<kRowBlock>(nr, [&](auto rows_c) {
+            tile_values<Isa, HeadDim, decltype(rows_c)::value, Int8Q>(keys, prefetch, value_minus_key, n, dim, s, p8, p_unit,
+                                                                      alpha, o, block_scales, u8_probabilities);
+          });
         }
       }
     }

@@ -44,9 +44,13 @@ template <class... T> struct type_list {
   static constexpr std::size_t size = sizeof...(T);
 };
 
-/// The formats and the policies each operator is compiled for: every pair of them.
+/// The formats and the policies each operator is compiled for: every pair of them. Decode's
+/// policies are the variants of the common models' layers, each type exactly as listed (policy.hpp):
+/// SoftCap and Compose<SlidingWindow, SoftCap> are Gemma 2's global and local layers, Sinks and
+/// Compose<SlidingWindow, Sinks> gpt-oss's, SlidingWindow Mistral's, Alibi BLOOM's and MPT's.
 using decode_formats = type_list<fp16, bf16>;
-using decode_policies = type_list<Plain, SlidingWindow>;
+using decode_policies = type_list<Plain, SlidingWindow, SoftCap, Sinks, Alibi, Compose<SlidingWindow, SoftCap>,
+                                  Compose<SlidingWindow, Sinks>>;
 using prefill_formats = type_list<fp16, bf16>;
 using prefill_policies = type_list<Plain, SlidingWindow>;
 using mla_decode_formats = type_list<bf16, fp8_e4m3_latent>;
