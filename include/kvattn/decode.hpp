@@ -34,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "config.hpp"
@@ -320,17 +321,23 @@ KVATTN_NOINLINE void tile_scores(const T* const* keys, const T* const* ahead, in
 /// scale per row); md: the row's {m, d}. Returns the factor alpha the row's output is rescaled
 /// by. With u8p (DecodeParams::u8_probabilities, with int8 queries), the probabilities are then
 /// rounded to 8 bits, p8[t] · p_unit: into p8 where step 3 multiplies them as integers
-/// (kIntValues), else into s.
-template <class Isa, bool Int8Q, bool IntValues, class T, class P>
+/// (int_values: kIntValues of the head size), else into s.
+template <class Isa, bool Int8Q, class T, class P>
 KVATTN_ALWAYS_INLINE float tile_softmax(const P& policy, const QueryRow& row, std::int64_t t0, int n, float* s, float* md,
-                                        const float* vs, bool u8p, std::uint8_t* p8, float& p_unit) noexcept {
+                                        const float* vs, bool u8p, bool int_values, std::uint8_t* p8, float& p_unit) noexcept {
   using Vec = simd::Vec<Isa>;
   core_impl::policy_tile<kDecodeTile>(policy, row, t0, n, s);
   const float alpha = core_impl::row_softmax<Isa, kDecodeTile>(s, md);
   if constexpr (format_traits<T>::row_scale)
     for (int g = 0; g < kDecodeTile; g += Vec::lanes) (Vec::load(s + g) * Vec::load(vs + g)).store(s + g);
-  if constexpr (Int8Q)
-    if (u8p) p_unit = quantize_probabilities<Isa, IntValues>(s, p8);
+  if constexpr (Int8Q) {
+    if constexpr (simd::I8Dot<Isa>::value_columns > 0)
+      if (u8p && int_values) {
+        p_unit = quantize_probabilities<Isa, true>(s, p8);
+        return alpha;
+      }
+    if (u8p) p_unit = quantize_probabilities<Isa, false>(s, p8);
+  }
   return alpha;
 }
 
@@ -463,25 +470,30 @@ template <class T> struct SpanWalker {
   }
 };
 
-/// f(std::integral_constant<int, nr>{}) for a row count nr in [1, Max].
-template <int Max, class F> KVATTN_ALWAYS_INLINE void with_rows(int nr, F&& f) {
-  switch (nr) {
-#define KVATTN_DECODE_ROWS_CASE(N) \
-  case N:                          \
-    if constexpr (N < Max) return f(std::integral_constant<int, N>{}); \
-    break;
-    KVATTN_DECODE_ROWS_CASE(1)
-    KVATTN_DECODE_ROWS_CASE(2)
-    KVATTN_DECODE_ROWS_CASE(3)
-    KVATTN_DECODE_ROWS_CASE(4)
-    KVATTN_DECODE_ROWS_CASE(5)
-    KVATTN_DECODE_ROWS_CASE(6)
-    KVATTN_DECODE_ROWS_CASE(7)
-#undef KVATTN_DECODE_ROWS_CASE
-    default: break;
+/// The tile kernels (steps 1 and 3) for one head size, one per row count nr in [1, Max]:
+/// scores[nr - 1] and values[nr - 1], the kernels compiled for the head size (dispatch_head_dim:
+/// the general one where none is). Chosen once per work item; a tile then costs one call each.
+template <class Isa, int Max, bool Int8Q, class T, class QT> struct TileKernels {
+  using Scores = void (*)(const T* const*, const T* const*, int, int, const QT* const*, float, const float*,
+                          const TileBlockScales*, const float*, const float*, float (*)[kDecodeTile]) noexcept;
+  using Values = void (*)(const T* const*, const T* const*, std::int64_t, int, int, const float (*)[kDecodeTile],
+                          const std::uint8_t (*)[kDecodeTile], const float*, const float*, float* const*,
+                          const TileBlockScales*, bool) noexcept;
+  Scores scores[Max];
+  Values values[Max];
+  bool int_values = false;  // kIntValues of the head size
+
+  explicit TileKernels(int dim) noexcept {
+    dispatch_head_dim(dim, [&](auto head_dim) { fill<decltype(head_dim)::value>(std::make_integer_sequence<int, Max>{}); });
   }
-  f(std::integral_constant<int, Max>{});
-}
+
+ private:
+  template <int HeadDim, int... I> void fill(std::integer_sequence<int, I...>) noexcept {
+    ((scores[I] = &tile_scores<Isa, HeadDim, I + 1, Int8Q, T, QT>), ...);
+    ((values[I] = &tile_values<Isa, HeadDim, I + 1, Int8Q, T>), ...);
+    int_values = kIntValues<Isa, HeadDim, Int8Q>;
+  }
+};
 
 /// One work item: every query row of the batch's sequence b against its key positions [begin, end).
 /// The keys are walked span by span and, within a span, KV head by KV head: the order in which
@@ -490,12 +502,12 @@ template <int Max, class F> KVATTN_ALWAYS_INLINE void with_rows(int nr, F&& f) {
 /// prefetched meanwhile. Writes the normalized partial output and {m, d} of every row to `part`:
 /// [kv_heads][rows][row_floats(dim)], rows = group · Q (row r: query i = r / group, head
 /// h·group + r % group), each row its output [dim] in pair order then {m, d}.
-/// HeadDim is the head size (0: read it from the layout at run time).
-template <class Isa, int HeadDim, bool Int8Q, class P, class T>
+/// The head size is the layout's; the tile kernels are chosen for it (TileKernels).
+template <class Isa, bool Int8Q, class P, class T>
 void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64_t end, const float* q, int group,
                  int Q, std::int64_t q_row_stride, float scale, const P& policy, float* part,
                  float* q_scratch, bool u8_probabilities) noexcept {
-  const int dim = HeadDim > 0 ? HeadDim : kv.layout.head_dim;
+  const int dim = kv.layout.head_dim;
   const int H = kv.layout.kv_heads, rows = group * Q;
   const std::int64_t length = kv.length(b);
   const std::int64_t stride = partial_row_floats(dim);
@@ -551,6 +563,7 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
     }
   }
   using QueryValue = std::conditional_t<kIntDot, std::int8_t, float>;
+  const TileKernels<Isa, kRowBlock, Int8Q, T, QueryValue> tile(dim);
 
   const T* keys[kDecodeTile];
   const T* ahead[kDecodeTile];
@@ -639,17 +652,11 @@ void decode_item(const PagedKvView<T>& kv, int b, std::int64_t begin, std::int64
           }
           const std::int64_t t0 = cur->t0 + i0;
           const T* const* prefetch = r0 == 0 ? ahead : nullptr;
-          with_rows<kRowBlock>(nr, [&](auto rows_c) {
-            tile_scores<Isa, HeadDim, decltype(rows_c)::value, Int8Q>(keys, prefetch, n, dim, qr, scale, ks, block_scales,
-                                                                      q_scale, q_offset, s);
-          });
+          tile.scores[nr - 1](keys, prefetch, n, dim, qr, scale, ks, block_scales, q_scale, q_offset, s);
           for (int r = 0; r < nr; ++r)
-            alpha[r] = tile_softmax<Isa, Int8Q, kIntValues<Isa, HeadDim, Int8Q>, T>(policy, qrow[r], t0, n, s[r], o[r] + dim, vs,
-                                                                                    u8_probabilities, p8[r], p_unit[r]);
-          with_rows<kRowBlock>(nr, [&](auto rows_c) {
-            tile_values<Isa, HeadDim, decltype(rows_c)::value, Int8Q>(keys, prefetch, value_minus_key, n, dim, s, p8, p_unit,
-                                                                      alpha, o, block_scales, u8_probabilities);
-          });
+            alpha[r] = tile_softmax<Isa, Int8Q, T>(policy, qrow[r], t0, n, s[r], o[r] + dim, vs, u8_probabilities, tile.int_values,
+                                                   p8[r], p_unit[r]);
+          tile.values[nr - 1](keys, prefetch, value_minus_key, n, dim, s, p8, p_unit, alpha, o, block_scales, u8_probabilities);
         }
       }
     }
@@ -694,26 +701,26 @@ void decode(const PagedKvView<T>& kv, const float* q, float* out, float* lse, De
   const std::vector<DecodePlan::Item>& items = plan.items();
 
   DecodePlan::check_int8_math<T>("decode", plan.params());
-  dispatch_head_dim(dim, [&](auto head_dim) {
-    constexpr int HeadDim = decltype(head_dim)::value;
-    const auto run = [&](auto int8) {
-      pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
-        const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
-        float* part = base + it.partial;
-        float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
-        decode_impl::decode_item<Isa, HeadDim, decltype(int8)::value>(kv, it.batch_index, it.begin, it.end,
-                                                                      q + it.batch_index * q_seq_stride, group, Q,
-                                                                      q_row_stride, scale, policy, part, q_scratch,
-                                                                      plan.params().u8_probabilities);
-      });
-    };
-    // One kernel more for int8 formats (the int8 queries'), not one per flag: the 8-bit
-    // probabilities are a branch per tile inside it.
-    if constexpr (is_int8_format_v<T>) {
-      if (plan.params().int8_queries) return run(std::true_type{});
-    }
+  const auto run = [&](auto int8) {
+    pf(static_cast<std::int64_t>(items.size()), [&](std::int64_t i) {
+      const DecodePlan::Item& it = items[static_cast<std::size_t>(i)];
+      float* part = base + it.partial;
+      float* q_scratch = part + std::int64_t{shape.kv_heads} * rows * row_floats;
+      decode_impl::decode_item<Isa, decltype(int8)::value>(kv, it.batch_index, it.begin, it.end, q + it.batch_index * q_seq_stride,
+                                                           group, Q, q_row_stride, scale, policy, part, q_scratch,
+                                                           plan.params().u8_probabilities);
+    });
+  };
+  // One kernel more for int8 formats (the int8 queries'), not one per flag: the 8-bit
+  // probabilities are a branch per tile inside it.
+  if constexpr (is_int8_format_v<T>) {
+    if (plan.params().int8_queries)
+      run(std::true_type{});
+    else
+      run(std::false_type{});
+  } else {
     run(std::false_type{});
-  });
+  }
 
   // Merge each (sequence, KV head)'s chunks (and the sink, counted once) and scatter rows to [b][i][h][dim].
   pf(std::int64_t{kv.batch} * shape.kv_heads, [&](std::int64_t bh) {
