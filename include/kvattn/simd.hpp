@@ -494,6 +494,7 @@ template <> struct I8Dot<isa::avx2> {  // AVX2 alone: vpmaddubsw and vpmaddwd
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC bug 105593, as in storage.hpp
+#pragma GCC diagnostic ignored "-Wuninitialized"        // the same, as -O3 reports it for add_values
 #endif
 template <> struct I8Dot<isa::avx512> {
   static constexpr bool available = true;
